@@ -1,0 +1,22 @@
+"""dtrain: data-parallel PyTorch training across processes and machines, done for you.
+
+    import dtrain
+    config = dtrain.load_config("examples/digits_mlp.toml", ["training.epochs=3"])
+    dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set).fit()
+"""
+
+__version__ = "0.1.0"
+
+from .config import Config, load_config
+from .errors import ConfigError, DataError, DtrainError
+
+__all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__version__", "load_config"]
+
+
+def __getattr__(name):
+    # Imported on first use: the command line answers a config mistake without loading torch.
+    if name == "Trainer":
+        from .trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

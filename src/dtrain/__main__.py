@@ -1,0 +1,7 @@
+"""`python -m dtrain ...` (what torchrun starts in every worker) is the `dtrain` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""The `dtrain` command line.
+
+    dtrain run CONFIG [--nproc N] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]
+                      [--max-restarts R] [section.key=value ...]
+    dtrain launch [same launch flags] SCRIPT.py [script args ...]
+    dtrain config [CONFIG] [section.key=value ...]     print the resolved config
+    dtrain config --reference                         every key, its default and meaning
+
+`dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
+`python -m dtrain run ...` again in every worker; a worker (torchrun, srun or mpirun set its rank)
+trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from . import __version__
+from .config import load_config
+from .errors import EXIT_USAGE, DtrainError
+
+# torch is imported only after the command line and config have been checked, so that a typo is
+# answered at once rather than after seconds of imports.
+
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("launch (passed to torchrun)")
+    g.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="worker processes on this node (one per GPU; default 1)")
+    g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="nodes in the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this node's fixed rank (static rendezvous); omit for elastic c10d rendezvous")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="rendezvous address on the first node, reachable from every node")
+    g.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes (default dtrain)")
+    g.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                   help="restart the whole group up to R times when a worker fails (default 0)")
+
+
+def _spec(args: argparse.Namespace):
+    from .launch import LaunchSpec
+
+    spec = LaunchSpec()
+    for name in LAUNCH_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            setattr(spec, name, value)
+    return spec
+
+
+def _explicit_launch(args: argparse.Namespace) -> bool:
+    return any(getattr(args, name) is not None for name in LAUNCH_FLAGS)
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dtrain run", description="Train the job a TOML config describes.")
+    parser.add_argument("config", help="TOML job description, e.g. examples/digits_mlp.toml")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    _add_launch_flags(parser)
+    args = parser.parse_intermixed_args(argv)
+    config = load_config(args.config, args.overrides)
+    from .distributed import in_worker_environment
+    from .job import preflight, worker_main
+    from .launch import launch
+
+    torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    if torchrun_worker or (in_worker_environment() and not _explicit_launch(args)):
+        return worker_main(config)
+
+    spec = _spec(args)
+    spec.validate()
+    preflight(config, world_size=spec.nproc * spec.min_nodes, local_world_size=spec.nproc)
+    if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
+        return worker_main(config)  # one process: no launcher needed
+    return launch(spec, ["-m", "dtrain", "run", args.config, *args.overrides])
+
+
+def cmd_launch(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dtrain launch", description="Run your own training script (using dtrain.Trainer or plain "
+        "torch.distributed) in every worker, through torchrun.")
+    _add_launch_flags(parser)
+    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    parser.add_argument("script", help="the script every worker runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    args = parser.parse_args(argv)
+    if not args.module and not os.path.isfile(args.script):
+        raise DtrainError(f"script {args.script} does not exist")
+    entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
+    from .launch import launch
+
+    return launch(_spec(args), entry)
+
+
+def cmd_config(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dtrain config", description="Print the resolved config as TOML.")
+    parser.add_argument("config", nargs="?", help="TOML job description (default: all defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--reference", action="store_true",
+                        help="print every key with its default and meaning as a Markdown table")
+    args = parser.parse_intermixed_args(argv)
+    if args.reference:
+        from .config import reference_rows
+
+        print("| key | default | meaning |\n| --- | --- | --- |")
+        for key, default, help_ in reference_rows():
+            print(f"| `{key}` | `{default}` | {help_} |")
+        return 0
+    if args.config and "=" in args.config and not os.path.exists(args.config):
+        args.overrides.insert(0, args.config)
+        args.config = None
+    sys.stdout.write(load_config(args.config, args.overrides).to_toml())
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "launch": cmd_launch, "config": cmd_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        print(f"dtrain {__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"dtrain: error: unknown command '{argv[0]}'; use one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return command(argv[1:])
+    except DtrainError as exc:
+        print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

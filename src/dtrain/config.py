@@ -1,0 +1,373 @@
+"""A job described in TOML: typed sections, `key=value` overrides, validation with one-line answers.
+
+Every setting is declared once, below, with its type, default, bounds and a sentence of help; loading,
+overriding, validating, writing `config.toml` and the README's reference table all come from that one
+declaration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+import tomli_w
+
+from .errors import ConfigError
+
+_MISSING = dataclasses.MISSING
+
+
+def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+            above: float | None = None) -> Any:
+    """Declare one config key: `min`/`max` are inclusive bounds, `above` an exclusive lower bound."""
+    meta = {"help": help, "min": min, "max": max, "above": above}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    dir: str = setting("runs/dtrain", "Where the run writes config.toml, metrics.jsonl, TensorBoard "
+                       "events and model.safetensors.")
+    seed: int = setting(0, "Seeds model init, the data order (as DistributedSampler(seed=...)) and "
+                        "synthetic data.", min=0)
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["auto", "nccl", "gloo"] = setting(
+        "auto", "auto picks nccl when CUDA GPUs are visible, gloo otherwise.")
+    init_method: str = setting("env://", "env:// (torchrun, SLURM, Open MPI set it up), "
+                               "tcp://host:port or file:///shared/path.")
+    timeout_s: float = setting(1800.0, "Seconds a collective may wait before the backend gives up.",
+                               above=0)
+    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", above=0)
+    gradient_as_bucket_view: bool = setting(True, "Let gradients alias DDP's buckets (saves a copy "
+                                            "and memory).")
+    static_graph: bool = setting(False, "Tell DDP the graph is the same every step (enables "
+                                 "optimisations).")
+    find_unused_parameters: bool = setting(False, "Let DDP handle parameters the forward pass does "
+                                           "not use (costs a graph walk per step).")
+    shared_memory_allreduce: bool = setting(True, "On CPU, average the gradients of processes on one "
+                                            "machine through shared memory instead of gloo's loopback "
+                                            "TCP (same numbers, less time).")
+
+
+@dataclass
+class ModelConfig:
+    name: str = setting("mlp", "mlp (the guide's Linear-ReLU-Linear), cnn, or a factory "
+                        "'package.module:function'.")
+    hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1)
+    options: dict = setting({}, "Keyword arguments passed to a model factory.")
+
+
+@dataclass
+class DataConfig:
+    name: str = setting("digits", "digits (ships with scikit-learn), mnist (IDX files), synthetic, "
+                        "or a factory 'package.module:function'.")
+    path: str = setting("data/mnist", "Folder holding the four MNIST IDX files (plain or .gz).")
+    download: bool = setting(False, "Download MNIST into data.path when the files are missing.")
+    batch_size: int = setting(64, "Samples per micro-batch, per process.", min=1)
+    eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1)
+    eval_fraction: float = setting(0.2, "Share held out for evaluation (digits, synthetic).",
+                                   above=0, max=0.9)
+    drop_last: bool = setting(False, "Drop each epoch's last, partial batch.")
+    num_samples: int = setting(60000, "Size of the synthetic data set.", min=1)
+    input_shape: list[int] = setting([1, 28, 28], "Sample shape of the synthetic data set.")
+    num_classes: int = setting(10, "Classes of the synthetic data set (and of factory data sets "
+                               "that cannot say).", min=2)
+    on_device: bool = setting(True, "Hold tensor data sets on the GPU and gather batches there.")
+    num_workers: int = setting(0, "DataLoader worker processes (map-style data sets only).", min=0)
+    pin_memory: bool = setting(True, "Pin host batches for faster copies to the GPU "
+                               "(DataLoader, CUDA only).")
+    persistent_workers: bool = setting(True, "Keep DataLoader workers alive between epochs.")
+    prefetch_factor: int = setting(2, "Batches each DataLoader worker loads ahead.", min=1)
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["sgd", "adamw"] = setting("sgd", "sgd (with momentum) or adamw.")
+    lr: float = setting(0.01, "Peak learning rate.", above=0)
+    momentum: float = setting(0.9, "SGD momentum.", min=0, max=1)
+    nesterov: bool = setting(False, "Nesterov momentum for SGD.")
+    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0)
+    betas: list[float] = setting([0.9, 0.999], "AdamW betas.")
+    eps: float = setting(1e-8, "AdamW epsilon.", above=0)
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["constant", "cosine", "linear"] = setting(
+        "constant", "Learning-rate shape after warm-up: constant, cosine or linear decay.")
+    warmup_steps: int = setting(0, "Optimizer steps of linear warm-up from 0 to optimizer.lr.", min=0)
+    min_lr_ratio: float = setting(0.0, "Where cosine and linear decay end, as a share of "
+                                  "optimizer.lr.", min=0, max=1)
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = setting(10, "Passes over the training set.", min=1)
+    max_steps: int = setting(0, "Stop after this many optimizer steps (0: no limit).", min=0)
+    grad_accum_steps: int = setting(1, "Micro-batches per optimizer step; all but the last skip "
+                                    "the gradient all-reduce.", min=1)
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32", "fp32, bf16 autocast (CPU or CUDA) or fp16 autocast with GradScaler (CUDA).")
+    max_grad_norm: float = setting(0.0, "Clip gradients to this global norm and log the norm "
+                                   "(0: no clipping).", min=0)
+    log_every: int = setting(10, "Optimizer steps between logged lines; losses are read from the "
+                             "device only then.", min=1)
+    eval_every: int = setting(1, "Epochs between evaluations (the last epoch always evaluates; "
+                              "0: only then).", min=0)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> "Config":
+        """Build and validate a config from nested dicts (as TOML gives them)."""
+        config = cls()
+        for section_name, table in raw.items():
+            section = _section(config, section_name, source)
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"'{section_name}' {where(source)} must be a table of keys "
+                                  f"([{section_name}]), got {_describe(table)}")
+            for key, value in table.items():
+                _assign(section, f"{section_name}.{key}", value, source)
+        validate(config)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def with_overrides(self, overrides: Sequence[str]) -> "Config":
+        """A copy with `section.key=value` overrides applied (values parse as TOML, else as text)."""
+        config = Config.from_dict(self.to_dict())
+        for item in overrides:
+            key, sep, text = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override '{item}' is not key=value; e.g. training.epochs=3")
+            key = key.strip()
+            section_name, _, name = key.partition(".")
+            section = _section(config, section_name, "on the command line", full_key=key)
+            if not name:
+                raise ConfigError(f"override '{item}' names a section, not a key; "
+                                  f"e.g. {section_name}.{_field_names(section)[0]}=...")
+            _assign(section, key, _parse_value(text), "on the command line", raw_text=text)
+        validate(config)
+        return config
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML job description (or start from defaults) and apply command-line overrides."""
+    if path is None:
+        return Config().with_overrides(overrides)
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass a TOML file such as "
+                          f"examples/digits_mlp.toml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return Config.from_dict(raw, source=str(path)).with_overrides(overrides)
+
+
+def all_keys() -> list[str]:
+    """Every `section.key` a config accepts."""
+    config = Config()
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(config, s))]
+
+
+def reference_rows() -> list[tuple[str, str, str]]:
+    """(key, default, help) for every setting: the README's config reference comes from here."""
+    config = Config()
+    rows = []
+    for s in SECTIONS:
+        section = getattr(config, s)
+        for f in dataclasses.fields(section):
+            rows.append((f"{s}.{f.name}", _inline(getattr(section, f.name)), f.metadata["help"]))
+    return rows
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def validate(config: Config) -> None:
+    """Checks that involve more than one key or a value's format."""
+    scheme = config.distributed.init_method.split("://", 1)[0]
+    if "://" not in config.distributed.init_method or scheme not in ("env", "tcp", "file"):
+        raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' is not "
+                          f"supported; use env://, tcp://host:port or file:///path")
+    if scheme == "tcp" and not _has_port(config.distributed.init_method):
+        raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' needs a "
+                          f"port: tcp://host:port")
+    for key, value, builtins in (("model.name", config.model.name, ("mlp", "cnn")),
+                                 ("data.name", config.data.name, ("digits", "mnist", "synthetic"))):
+        if value not in builtins and not _is_factory_ref(value):
+            close = difflib.get_close_matches(value, builtins, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{key} = '{value}' is neither a built-in ({', '.join(builtins)}) nor "
+                              f"a factory 'package.module:function'; {hint}".rstrip("; "))
+    if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
+        raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
+                          f"[0, 1), e.g. [0.9, 0.999]")
+    if not config.data.input_shape or any(d < 1 for d in config.data.input_shape):
+        raise ConfigError(f"data.input_shape = {config.data.input_shape} must be a list of "
+                          f"positive sizes, e.g. [1, 28, 28]")
+
+
+def _is_factory_ref(value: str) -> bool:
+    module, sep, func = value.partition(":")
+    return bool(sep and module and func and all(p.isidentifier() for p in module.split("."))
+                and func.isidentifier())
+
+
+def _has_port(url: str) -> bool:
+    host_port = url.split("://", 1)[1].split("/", 1)[0]
+    return host_port.rpartition(":")[2].isdigit()
+
+
+def _section(config: Config, name: str, source: str, full_key: str | None = None):
+    if name in SECTIONS:
+        return getattr(config, name)
+    wanted = full_key or name
+    candidates = all_keys() if "." in wanted else SECTIONS
+    close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; sections are {', '.join(SECTIONS)}"
+    raise ConfigError(f"unknown {'key' if '.' in wanted else 'section'} '{wanted}' {where(source)}{hint}")
+
+
+def _field_names(section) -> list[str]:
+    return [f.name for f in dataclasses.fields(section)]
+
+
+def _assign(section, key: str, value: Any, source: str, raw_text: str | None = None) -> None:
+    section_name, _, name = key.partition(".")
+    name, _, subkey = name.partition(".")
+    fields_by_name = {f.name: f for f in dataclasses.fields(section)}
+    if name not in fields_by_name:
+        close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        hint = (f"; did you mean '{close[0]}'?" if close
+                else f"; [{section_name}] has {', '.join(fields_by_name)}")
+        raise ConfigError(f"unknown key '{key}' {where(source)}{hint}")
+    f = fields_by_name[name]
+    type_ = typing.get_type_hints(type(section))[name]
+    if subkey:  # a key inside a free table, e.g. model.options.depth=3
+        if type_ is not dict:
+            raise ConfigError(f"'{key}' {where(source)}: {section_name}.{name} is not a table")
+        getattr(section, name)[subkey] = value
+        return
+    setattr(section, name, _coerce(f"{section_name}.{name}", value, type_, f.metadata, raw_text))
+
+
+def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text: str | None) -> Any:
+    origin = typing.get_origin(type_)
+    if origin is Literal:
+        choices = typing.get_args(type_)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {_show(value)}{hint}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(type_)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, e.g. {key}=[1, 2]; got {_describe(value)}")
+        return [_coerce(f"{key}[{i}]", v, item_type, meta, None) for i, v in enumerate(value)]
+    if type_ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of keyword arguments; got {_describe(value)}")
+        return dict(value)
+    if type_ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false; got {_describe(value)}")
+        return value
+    if type_ is str:
+        if raw_text is not None:  # from the command line: keep exactly what was typed
+            return raw_text.strip()
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string; got {_describe(value)}")
+        return value
+    if type_ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer; got {_describe(value)}")
+    elif type_ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number; got {_describe(value)}")
+        value = float(value)
+    _check_bounds(key, value, meta)
+    return value
+
+
+def _check_bounds(key: str, value: float, meta: Mapping[str, Any]) -> None:
+    lo, hi, above = meta.get("min"), meta.get("max"), meta.get("above")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key} must be >= {_num(lo)}; got {_num(value)}")
+    if above is not None and value <= above:
+        raise ConfigError(f"{key} must be > {_num(above)}; got {_num(value)}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} must be <= {_num(hi)}; got {_num(value)}")
+
+
+def where(source: str) -> str:
+    """'in examples/x.toml' or 'on the command line'."""
+    return source if source.startswith("on ") else f"in {source}"
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value: a TOML literal when it is one (3, 0.05, true, [1, 2]), else text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
+
+
+def _inline(value: Any) -> str:
+    """A value as one line of TOML: 0.2, "digits", [1, 28, 28], {}."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + "}"
+    return tomli_w.dumps({"v": value}).strip()[4:]
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _show(value: Any) -> str:
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def _describe(value: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "table"}.get(type(value), type(value).__name__)
+    return f"{_show(value)} ({kind})"

@@ -1,0 +1,280 @@
+"""Inside a worker: who am I, which backend, which device — then init and destroy the process group.
+
+A worker learns its rank and world size from whoever started it: torchrun (and anything that sets the
+env:// variables, such as a Kubernetes PyTorchJob), SLURM's `srun`, or Open MPI's `mpirun`. Everything
+else in dtrain asks this module, never the environment directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .config import DistributedConfig
+from .errors import ConfigError, EnvironmentProblem
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "single"  # torchrun | slurm | mpi | single
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def in_worker_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when a launcher (torchrun, srun, mpirun) already started this process as one of many."""
+    return detect_env(environ).launcher != "single"
+
+
+def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read rank, world size and rendezvous address from torchrun, SLURM or Open MPI variables."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return DistEnv(
+            rank=_int(environ, "RANK"),
+            world_size=_int(environ, "WORLD_SIZE"),
+            local_rank=_int(environ, "LOCAL_RANK", 0),
+            local_world_size=_int(environ, "LOCAL_WORLD_SIZE", 1),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(environ, "MASTER_PORT", 29500),
+            launcher="torchrun",
+        )
+    # `srun` sets SLURM_STEP_ID for each task it starts; a batch script or salloc shell does not, so
+    # a plain `dtrain run` there launches torchrun instead of waiting for peers that never come.
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS", 1) > 1:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+        job_id = _int(environ, "SLURM_JOB_ID", 0)
+        return DistEnv(
+            rank=_int(environ, "SLURM_PROCID"),
+            world_size=_int(environ, "SLURM_NTASKS"),
+            local_rank=_int(environ, "SLURM_LOCALID", 0),
+            local_world_size=_slurm_tasks_on_node(environ),
+            master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist) or "127.0.0.1",
+            # A port derived from the job id lets two jobs share a node without colliding.
+            master_port=_int(environ, "MASTER_PORT", 15000 + job_id % 20000),
+            launcher="slurm",
+        )
+    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
+        world = _int(environ, "OMPI_COMM_WORLD_SIZE")
+        local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+        if "MASTER_ADDR" not in environ and local_world != world:
+            raise EnvironmentProblem(
+                "mpirun across nodes needs MASTER_ADDR (rank 0's host): add "
+                "`-x MASTER_ADDR=<host> -x MASTER_PORT=<port>` to the mpirun command")
+        return DistEnv(
+            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
+            world_size=world,
+            local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+            local_world_size=local_world,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(environ, "MASTER_PORT", 29500),
+            launcher="mpi",
+        )
+    return DistEnv()
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list such as 'gpu[003-005,010],cpu01' (here: 'gpu003')."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return None
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _slurm_tasks_on_node(environ: Mapping[str, str]) -> int:
+    # SLURM_STEP_TASKS_PER_NODE looks like '4(x2),3': per-node counts in node order.
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "1")
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = _int(environ, "SLURM_NODEID", 0)
+    return counts[node] if node < len(counts) else 1
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None:
+        if default is None:
+            raise EnvironmentProblem(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise EnvironmentProblem(f"environment variable {name}={value!r} is not an integer") from None
+
+
+# --- backend and device ---------------------------------------------------------------------------
+
+
+def resolve_backend(requested: str) -> str:
+    """'auto' is nccl with CUDA GPUs and gloo without; nccl without GPUs is refused."""
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "nccl" if has_cuda else "gloo"
+    if requested == "nccl" and not has_cuda:
+        raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
+                          "use distributed.backend=gloo (or auto)")
+    return requested
+
+
+def check_device_capacity(backend: str, local_world_size: int) -> None:
+    """nccl binds one GPU per process: more local processes than GPUs cannot work."""
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if local_world_size > gpus:
+            raise ConfigError(f"--nproc {local_world_size} asks for more nccl processes than this "
+                              f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo")
+
+
+def bind_device(env: DistEnv) -> torch.device:
+    """Each process computes on its own GPU (LOCAL_RANK) when there are GPUs, else on the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def set_cpu_threads(env: DistEnv, environ: Mapping[str, str] = os.environ) -> int:
+    """Split the cores among the processes on this node, unless OMP_NUM_THREADS says otherwise.
+
+    Over-subscription is the classic CPU slowdown: two processes with two threads each on two cores
+    run at about half speed.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return torch.get_num_threads()
+    threads = max(1, available_cores() // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+# --- the process group ----------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """The distributed context of one worker: its place, backend and device."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+    owns_group: bool  # this session created the process group and must destroy it
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Session:
+    """Join (or create) the process group for this worker and bind its device and threads."""
+    if dist.is_available() and dist.is_initialized():
+        env = _env_from_group(detect_env(environ))
+        backend = dist.get_backend()
+        device = bind_device(env)
+        return Session(env, backend, device, owns_group=False)
+
+    env = detect_env(environ)
+    backend = resolve_backend(config.backend)
+    check_device_capacity(backend, env.local_world_size)
+    device = bind_device(env)
+    if device.type == "cpu":
+        set_cpu_threads(env, environ)
+    if env.world_size == 1:
+        return Session(env, backend, device, owns_group=False)
+
+    init_method = config.init_method
+    if init_method == "env://":
+        # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
+        for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
+                            ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
+                            ("LOCAL_RANK", env.local_rank)):
+            os.environ.setdefault(name, str(value))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
+        # Binding the device up front lets nccl create its communicator eagerly and correctly.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return Session(env, backend, device, owns_group=True)
+
+
+def stop(session: Session) -> None:
+    """Destroy the process group if this session made it."""
+    if session.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(config: DistributedConfig) -> Iterator[Session]:
+    """`with session(cfg.distributed) as s:` — the group is destroyed on success and on error."""
+    s = start(config)
+    try:
+        yield s
+    finally:
+        stop(s)
+
+
+def _env_from_group(env: DistEnv) -> DistEnv:
+    # The user initialised the group themselves: trust it over the environment.
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
+                   local_world_size=env.local_world_size, master_addr=env.master_addr,
+                   master_port=env.master_port, launcher=env.launcher)
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+# --- small collectives ----------------------------------------------------------------------------
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op on one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

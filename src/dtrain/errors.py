@@ -1,0 +1,24 @@
+"""Errors meant for people: one line that names the key or file and says what would work."""
+
+from __future__ import annotations
+
+# Exit status of a run refused for bad input (config, data path, backend, sizes). Crashes exit 1.
+EXIT_USAGE = 2
+
+
+class DtrainError(Exception):
+    """A problem the user can fix. Its message is printed as one line, once, and the run exits 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(DtrainError):
+    """A config key, type or value that cannot work."""
+
+
+class DataError(DtrainError):
+    """A data set that is missing, malformed or too small for the job."""
+
+
+class EnvironmentProblem(DtrainError):
+    """Something this machine or the distributed environment cannot provide (GPUs, backend, addresses)."""

@@ -1,0 +1,85 @@
+"""A job described by a config, from the launcher's checks to each worker's run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from . import data, distributed, models
+from .amp import precision_for
+from .config import Config
+from .errors import DtrainError, EXIT_USAGE
+from .trainer import Trainer, check_shardable
+
+# Set by `dtrain run/launch` for the workers it starts: they then leave reporting errors to it.
+LAUNCHED_BY_DTRAIN = "DTRAIN_LAUNCHED"
+
+
+def preflight(config: Config, world_size: int, local_world_size: int) -> None:
+    """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
+    backend = distributed.resolve_backend(config.distributed.backend)
+    distributed.check_device_capacity(backend, local_world_size)
+    precision_for(config.training.precision,
+                  torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    data.prepare(config)
+    n_train = data.size_hint(config)
+    if n_train is not None:
+        check_shardable(config, n_train, world_size)
+
+
+def run(config: Config) -> dict[str, Any]:
+    """Train the job in this process, as one worker of however many the environment says."""
+    with distributed.session(config.distributed) as session:
+        if config.data.download and session.env.local_rank == 0:
+            data.prepare(config)
+        distributed.barrier()
+        splits = data.build(config)
+        torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
+        model = models.build(config.model, splits.input_shape, splits.num_classes)
+        trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
+        return trainer.fit()
+
+
+def worker_main(config: Config) -> int:
+    """Run as a worker; turn failures into one report (exit 2 for bad input, 1 for a crash).
+
+    Under dtrain's launcher a worker writes its error to torchrun's error file and prints nothing:
+    the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
+    prints a bad-input message and the other ranks stay quiet.
+    """
+    rank = _rank_from_env()
+    try:
+        run(config)
+        return 0
+    except DtrainError as exc:
+        report(str(exc), rank, traceback_text=None)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - a crash of any kind is reported, then exits 1
+        report(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
+        return 1
+
+
+def report(message: str, rank: int, traceback_text: str | None) -> None:
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and os.environ.get(LAUNCHED_BY_DTRAIN):
+        text = message if traceback_text is None else traceback_text.rstrip()
+        with open(error_file, "w") as fh:
+            json.dump({"message": text, "timestamp": int(time.time())}, fh)
+        return
+    if traceback_text is not None:
+        sys.stderr.write(f"[rank {rank}] {traceback_text}")
+    elif rank == 0:
+        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+
+
+def _rank_from_env() -> int:
+    try:
+        return distributed.detect_env().rank
+    except DtrainError:
+        return 0

@@ -1,0 +1,122 @@
+"""Start workers through torch's own elastic launcher (torchrun), in this process.
+
+dtrain never forks or watches workers itself: it turns its flags into torchrun's, gives the workers a
+sensible thread count, runs the elastic agent, and turns a failed group into one clear report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from . import distributed
+from .errors import EXIT_USAGE, ConfigError
+from .job import LAUNCHED_BY_DTRAIN
+
+
+@dataclass
+class LaunchSpec:
+    nproc: int = 1
+    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "dtrain"
+    max_restarts: int = 0
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes != "1"
+
+    def validate(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1; got {self.nproc}")
+        parts = self.nnodes.split(":")
+        if not all(p.isdigit() and int(p) >= 1 for p in parts) or len(parts) > 2 or (
+                len(parts) == 2 and int(parts[0]) > int(parts[1])):
+            raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0; got {self.max_restarts}")
+        if self.multi_node and not self.rdzv_endpoint:
+            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first "
+                              "node that every node can reach)")
+        if self.rdzv_endpoint and not _is_host_port(self.rdzv_endpoint):
+            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT; got '{self.rdzv_endpoint}'")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.min_nodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.min_nodes - 1}; got {self.node_rank}")
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+def torchrun_args(spec: LaunchSpec, entry: list[str]) -> list[str]:
+    """The torchrun command line (without 'torchrun') for `spec`, running `entry` in each worker."""
+    args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
+    if not spec.multi_node and not spec.rdzv_endpoint:
+        args.append("--standalone")  # a private rendezvous on a free local port
+    elif spec.node_rank is not None:
+        host, _, port = spec.rdzv_endpoint.rpartition(":")
+        args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=static", f"--node-rank={spec.node_rank}",
+                 f"--master-addr={host}", f"--master-port={port}"]
+    else:
+        args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+    return args + entry
+
+
+def launch(spec: LaunchSpec, entry: list[str]) -> int:
+    """Run `entry` in `spec.nproc` workers per node under torchrun; the job's exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    spec.validate()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would set 1; split the cores among the local workers instead.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, distributed.available_cores() // spec.nproc))
+    os.environ[LAUNCHED_BY_DTRAIN] = "1"
+    _quiet_elastic_logs()
+    args = get_args_parser().parse_args(torchrun_args(spec, entry))
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as exc:
+        return _report_failure(exc)
+    except RendezvousError as exc:
+        print(f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
+              f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
+              file=sys.stderr, flush=True)
+        return 1
+
+
+def _report_failure(exc) -> int:
+    """Print the first failure once: a bad-input line as is, a crash with its rank and traceback."""
+    rank, failure = exc.get_first_failure()
+    codes = {f.exitcode for f in exc.failures.values()}
+    if failure.exitcode == EXIT_USAGE or EXIT_USAGE in codes:
+        usage = next(f for f in exc.failures.values() if f.exitcode == EXIT_USAGE)
+        print(f"dtrain: error: {usage.message}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()}"
+    else:
+        what = f"exited with status {failure.exitcode}"
+    detail = failure.message if failure.message and "pytorch.org/docs" not in failure.message else ""
+    print(f"dtrain: error: rank {rank} (local rank {failure.local_rank}) {what}"
+          + (f":\n{detail}" if detail else ""), file=sys.stderr, flush=True)
+    return 1
+
+
+def _quiet_elastic_logs() -> None:
+    # The elastic agent narrates every restart and shutdown at WARNING; dtrain reports failures
+    # itself. DTRAIN_VERBOSE=1 brings the agent's own account back.
+    if not os.environ.get("DTRAIN_VERBOSE"):
+        for name in ("torch.distributed.elastic", "torch.distributed.run"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)

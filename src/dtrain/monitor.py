@@ -1,0 +1,102 @@
+"""What a run reports: rank 0's console (a progress bar on a terminal, plain lines otherwise),
+TensorBoard event files and `metrics.jsonl`. Every rank holds a Monitor; only rank 0's writes.
+
+The trainer hands over numbers already reduced across ranks and already on the host — the monitor
+never touches the device, so it cannot add a sync to the training step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# TensorBoard tags for the keys of a metrics record.
+TB_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "samples_per_s": "train/samples_per_s",
+    "eval_loss": "eval/loss",
+    "eval_accuracy": "eval/accuracy",
+}
+
+
+class Monitor:
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int = 0,
+                 progress_bar: bool | None = None):
+        self.enabled = enabled
+        self._bar = None
+        self._writer = None
+        self._metrics = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
+
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
+        if progress_bar is None:
+            progress_bar = sys.stderr.isatty()
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
+
+    def advance(self) -> None:
+        """One optimizer step done (cheap: tqdm redraws at most every 0.1 s)."""
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one metrics record (train or eval) everywhere it belongs."""
+        if not self.enabled:
+            return
+        step = record["step"]
+        for key, tag in TB_TAGS.items():
+            if record.get(key) is not None:
+                self._writer.add_scalar(tag, record[key], step)
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        line = format_record(record)
+        if self._bar is not None and "eval_loss" not in record:
+            self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress
+        else:
+            self.info(line)
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+# How each metric reads on the console, in this order.
+CONSOLE_FORMATS = [
+    ("loss", "loss {:.4f}"),
+    ("lr", "lr {:.3g}"),
+    ("grad_norm", "grad_norm {:.3g}"),
+    ("samples_per_s", "{:,.0f} samples/s"),
+    ("eval_loss", "eval_loss {:.4f}"),
+    ("eval_accuracy", "eval_accuracy {:.2%}"),
+]
+
+
+def format_record(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}", f"epoch {record['epoch']}"]
+    parts += [fmt.format(record[key]) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
+    return " | ".join(parts)

@@ -1,0 +1,48 @@
+"""Optimizer and learning-rate schedule, built in each process after the model is wrapped."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .config import OptimizerConfig, SchedulerConfig
+
+
+def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.name == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+                               nesterov=config.nesterov and config.momentum > 0,
+                               weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+class LRShape:
+    """The multiplier of the peak learning rate at each optimizer step: linear warm-up, then
+    constant, cosine or linear decay to `min_lr_ratio` at `total_steps`.
+
+    A plain object rather than a lambda so that the scheduler's state stays picklable.
+    """
+
+    def __init__(self, config: SchedulerConfig, total_steps: int):
+        self.name = config.name
+        self.warmup = config.warmup_steps
+        self.floor = config.min_lr_ratio
+        self.total = max(total_steps, 1)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.name == "cosine":
+            return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return self.floor + (1 - self.floor) * (1 - progress)
+
+
+def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, LRShape(config, total_steps))

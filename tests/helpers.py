@@ -1,0 +1,104 @@
+"""Running dtrain the way users do: the real CLI, the real torchrun, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+TIMEOUT = 240  # seconds: a hung distributed test fails instead of stalling the suite
+
+
+def env(**extra: str) -> dict[str, str]:
+    """A clean environment for a child: no inherited rank variables, tests importable."""
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_",
+                              "OMPI_", "DTRAIN_"))}
+    e["PYTHONPATH"] = os.pathsep.join([str(WORKERS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.update(extra)
+    return e
+
+
+def run(args: list[str], *, cwd: Path | None = None, extra_env: dict[str, str] | None = None,
+        timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd or ROOT, env=env(**(extra_env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def dtrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """`dtrain ARGS` as a user types it."""
+    return run([sys.executable, "-m", "dtrain", *args], **kwargs)
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, **kwargs) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N script args` (torch's own launcher)."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nproc}", str(script), *map(str, args)],
+               extra_env={"OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    return [m for m in metrics(run_dir) if "loss" in m]
+
+
+def eval_lines(run_dir: Path) -> list[dict]:
+    return [m for m in metrics(run_dir) if "eval_loss" in m]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def assert_weights_close(a: dict, b: dict, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+
+
+def write_idx(path: Path, array) -> None:
+    """An IDX file as MNIST ships it (uint8 data, big-endian sizes)."""
+    import gzip
+
+    import numpy as np
+
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    payload = header + array.tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as fh:
+            fh.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def fake_mnist(root: Path, n_train: int = 256, n_test: int = 64, gz: bool = True, seed: int = 0) -> Path:
+    """Small MNIST-format files whose label is readable from the image (so a model can learn it)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, size=n)
+        images = rng.integers(0, 60, size=(n, 28, 28))
+        for i, label in enumerate(labels):  # a bright bar whose row encodes the digit
+            images[i, 2 + 2 * label, 4:24] = 255
+        write_idx(root / f"{prefix}-images-idx3-ubyte{suffix}", images)
+        write_idx(root / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+    return root

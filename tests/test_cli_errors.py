@@ -1,0 +1,79 @@
+"""Bad input gets one clear line, printed once, a non-zero exit, and nothing written."""
+
+import pytest
+
+from helpers import ROOT, dtrain, run, torchrun
+import sys
+
+CFG = "examples/digits_mlp.toml"
+
+
+def refused(result, message: str, tmp_path) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert lines == [f"dtrain: error: {message}"], result.stderr  # one line, once, no traceback
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trainig.epochs=3"], "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
+    (["training.epochs=three"], "training.epochs must be an integer; got 'three' (string)"),
+    (["training.grad_accum_steps=0"], "training.grad_accum_steps must be >= 1; got 0"),
+    (["data.batch_size=-4"], "data.batch_size must be >= 1; got -4"),
+    (["distributed.backend=nccl"], "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
+                                   "use distributed.backend=gloo (or auto)"),
+    (["data.name=mnist", "data.path=/no/such/dir"],
+     "data.path = '/no/such/dir' does not hold the MNIST IDX files (train-images-idx3-ubyte, "
+     "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); put them "
+     "there or set data.download=true"),
+    (["--nproc", "9", "data.name=synthetic", "data.num_samples=10"],
+     "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer"),
+    (["--nproc", "0"], "--nproc must be >= 1; got 0"),
+    (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that "
+                        "every node can reach)"),
+])
+def test_refused_before_any_worker_starts(tmp_path, args, message):
+    refused(dtrain("run", CFG, *args, f"run.dir={tmp_path / 'run'}"), message, tmp_path)
+
+
+def test_missing_and_broken_config_files(tmp_path):
+    refused(dtrain("run", str(tmp_path / "nope.toml"), "--nproc", "2"),
+            f"config file {tmp_path / 'nope.toml'} does not exist; pass a TOML file such as "
+            f"examples/digits_mlp.toml", tmp_path)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nepochs = \n")
+    result = dtrain("run", str(bad), "--nproc", "2")
+    assert result.returncode == 2 and result.stderr.startswith(f"dtrain: error: config file {bad} is not valid TOML")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_problem_only_workers_can_see_is_reported_once(tmp_path):
+    # The cnn needs image-shaped inputs; digits are flat: only building the model finds out, in
+    # each of the 2 workers. The launcher prints it once.
+    refused(dtrain("run", CFG, "--nproc", "2", "model.name=cnn", f"run.dir={tmp_path / 'run'}"),
+            "model.name = 'cnn' needs image inputs shaped C×H×W; the data gives [64]; use model.name=mlp",
+            tmp_path)
+
+
+def test_workers_under_plain_torchrun_print_once_too(tmp_path):
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "-m", "dtrain", "run", CFG, "model.name=cnn", f"run.dir={tmp_path / 'run'}"],
+                 extra_env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert result.stderr.count("model.name = 'cnn' needs image inputs") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_crash_is_reported_once_with_its_rank(tmp_path):
+    result = dtrain("run", CFG, "--nproc", "2", "data.name=user_factories:explode",
+                    f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 1
+    assert result.stderr.count("RuntimeError: data factory exploded") == 1
+    assert "dtrain: error: rank " in result.stderr
+
+
+def test_unknown_command_and_missing_script():
+    result = dtrain("trian")
+    assert result.returncode == 2 and "unknown command 'trian'" in result.stderr
+    result = dtrain("launch", "--nproc", "2", "no_such_script.py")
+    assert result.returncode == 2 and result.stderr.strip() == "dtrain: error: script no_such_script.py does not exist"

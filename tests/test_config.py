@@ -1,0 +1,108 @@
+"""Config: TOML + overrides, typed, validated with one-line answers."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dtrain.config import Config, all_keys, load_config, reference_rows
+from dtrain.errors import ConfigError
+from helpers import ROOT
+
+
+def test_defaults_and_required_keys_exist():
+    keys = set(all_keys())
+    for key in ("run.dir", "run.seed", "data.batch_size", "training.epochs", "training.grad_accum_steps",
+                "training.precision", "training.max_grad_norm", "distributed.backend",
+                "distributed.init_method", "distributed.bucket_cap_mb",
+                "distributed.gradient_as_bucket_view", "distributed.static_graph",
+                "distributed.find_unused_parameters", "data.num_workers", "data.pin_memory",
+                "data.persistent_workers", "data.prefetch_factor", "training.log_every"):
+        assert key in keys
+    c = Config()
+    assert (c.distributed.backend, c.training.precision, c.data.name, c.model.name) == ("auto", "fp32", "digits", "mlp")
+
+
+def test_file_then_overrides_with_toml_typed_values(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[training]\nepochs = 7\n[optimizer]\nlr = 0.5\n')
+    c = load_config(path, ["training.epochs=3", "optimizer.lr=0.05", "run.dir=runs/x y",
+                           "data.input_shape=[3, 8, 8]", "training.precision=bf16",
+                           "distributed.static_graph=true", "optimizer.momentum=0"])
+    assert c.training.epochs == 3
+    assert c.optimizer.lr == 0.05
+    assert c.run.dir == "runs/x y"
+    assert c.data.input_shape == [3, 8, 8]
+    assert c.training.precision == "bf16"
+    assert c.distributed.static_graph is True
+    assert c.optimizer.momentum == 0.0 and isinstance(c.optimizer.momentum, float)
+
+
+def test_a_number_typed_into_a_text_key_stays_text():
+    assert load_config(None, ["run.dir=123"]).run.dir == "123"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    c = load_config(ROOT / "examples" / "digits_mlp.toml", ["training.epochs=2", "model.options.unused=1"])
+    out = tmp_path / "config.toml"
+    out.write_text(c.to_toml())
+    assert load_config(out) == c
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainig.epochs=3", "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
+    ("training.epoch=3", "did you mean 'training.epochs'?"),
+    ("optimizer.learning_rate=0.1", "unknown key 'optimizer.learning_rate'"),
+    ("training.epochs=three", "training.epochs must be an integer; got 'three' (string)"),
+    ("training.epochs=2.5", "training.epochs must be an integer; got 2.5 (number)"),
+    ("training.epochs=0", "training.epochs must be >= 1; got 0"),
+    ("optimizer.lr=0", "optimizer.lr must be > 0; got 0"),
+    ("optimizer.momentum=1.5", "optimizer.momentum must be <= 1; got 1.5"),
+    ("training.precision=fp8", "training.precision must be one of fp32, bf16, fp16; got 'fp8'"),
+    ("distributed.backend=ncl", "did you mean 'nccl'?"),
+    ("distributed.static_graph=yes", "distributed.static_graph must be true or false"),
+    ("data.input_shape=7", "data.input_shape must be a list"),
+    ("distributed.init_method=udp://x:1", "distributed.init_method = 'udp://x:1' is not supported"),
+    ("distributed.init_method=tcp://host", "needs a port"),
+    ("model.name=mpl", "did you mean 'mlp'?"),
+    ("data.name=my.module", "nor a factory 'package.module:function'"),
+    ("optimizer.betas=[0.9]", "optimizer.betas = [0.9] must be two numbers"),
+    ("epochs", "override 'epochs' is not key=value"),
+    ("training=3", "names a section, not a key"),
+])
+def test_bad_overrides_get_one_clear_line(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_bad_files_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*missing\.toml does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training\nepochs = 3\n")
+    with pytest.raises(ConfigError, match=r"broken\.toml is not valid TOML"):
+        load_config(broken)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[trainer]\nepochs = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'trainer' in .*unknown\.toml; did you mean 'training'\?"):
+        load_config(unknown)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("training = 3\n")
+    with pytest.raises(ConfigError, match="'training' in .*flat.toml must be a table"):
+        load_config(flat)
+
+
+def test_readme_config_reference_lists_every_key_with_its_default():
+    readme = (ROOT / "README.md").read_text()
+    for key, default, _ in reference_rows():
+        row = re.search(rf"^\| `{re.escape(key)}` \| `(.*?)` \|", readme, flags=re.M)
+        assert row, f"README's config reference lacks {key}"
+        assert row.group(1) == default, f"README says {key} defaults to {row.group(1)}, the code {default}"
+
+
+def test_examples_are_valid():
+    for path in sorted((ROOT / "examples").glob("*.toml")):
+        load_config(path)

@@ -1,0 +1,96 @@
+"""Built-in data sets (digits, MNIST IDX, synthetic) and user factories."""
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain import data, models
+from dtrain.config import load_config
+from dtrain.data import mnist
+from dtrain.errors import ConfigError, DataError
+from helpers import fake_mnist, write_idx
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_idx_files_plain_or_gzipped(tmp_path, gz):
+    fake_mnist(tmp_path, n_train=30, n_test=10, gz=gz)
+    splits = data.build(load_config(None, ["data.name=mnist", f"data.path={tmp_path}"]))
+    x, y = splits.train.tensors
+    assert x.shape == (30, 1, 28, 28) and x.dtype == torch.float32
+    assert float(x.min()) >= 0.0 and float(x.max()) == 1.0  # ToTensor's scaling: 255 -> 1.0
+    raw = mnist.read_idx(next(tmp_path.glob("train-images*")))
+    torch.testing.assert_close(x[3, 0], torch.from_numpy(raw[3].astype(np.float32) / 255))
+    assert len(splits.eval) == 10 and splits.num_classes == 10 and splits.input_shape == (1, 28, 28)
+
+
+def test_mnist_in_torchvision_layout(tmp_path):
+    fake_mnist(tmp_path / "MNIST" / "raw", n_train=8, n_test=4)
+    assert len(data.build(load_config(None, ["data.name=mnist", f"data.path={tmp_path}"])).train) == 8
+
+
+def test_mnist_missing_and_corrupt_files_are_named(tmp_path):
+    cfg = load_config(None, ["data.name=mnist", f"data.path={tmp_path}"])
+    with pytest.raises(DataError, match=f"data.path = '{tmp_path}' does not hold the MNIST IDX files.*data.download=true"):
+        data.build(cfg)
+    with pytest.raises(DataError, match="does not hold the MNIST IDX files"):
+        data.prepare(cfg)  # the launcher's check, before any worker starts
+    fake_mnist(tmp_path, n_train=8, n_test=4, gz=False)
+    images = tmp_path / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-100])
+    with pytest.raises(DataError, match="train-images-idx3-ubyte is truncated or corrupt"):
+        data.build(cfg)
+    images.write_bytes(b"not an idx file at all")
+    with pytest.raises(DataError, match="is not an IDX file"):
+        data.build(cfg)
+    write_idx(images, np.zeros((5, 28, 28)))  # 5 images for 8 labels
+    with pytest.raises(DataError, match="has 8 labels for 5 images"):
+        data.build(cfg)
+
+
+def test_digits_split_is_fixed_and_size_hint_agrees():
+    cfg = load_config(None, [])
+    a, b = data.build(cfg), data.build(load_config(None, ["run.seed=9"]))
+    assert len(a.train) == data.size_hint(cfg) == 1438 and len(a.eval) == 359
+    assert torch.equal(a.eval.tensors[1], b.eval.tensors[1])  # held-out split ignores run.seed
+    assert float(a.train.tensors[0].max()) == 1.0 and a.input_shape == (64,)
+
+
+def test_synthetic_is_deterministic_and_shaped():
+    cfg = load_config(None, ["data.name=synthetic", "data.num_samples=500", "data.input_shape=[1, 4, 4]",
+                             "data.num_classes=3"])
+    a, b = data.build(cfg), data.build(cfg)
+    assert torch.equal(a.train.tensors[0], b.train.tensors[0])
+    assert a.train.tensors[0].shape == (400, 1, 4, 4) and a.num_classes == 3
+    assert set(a.train.tensors[1].tolist()) == {0, 1, 2}
+    assert len(a.train) == data.size_hint(cfg)
+
+
+def test_user_factories_for_data_and_model():
+    cfg = load_config(None, ["data.name=user_factories:tiny_data", "model.name=user_factories:wide_model",
+                             "model.options={width = 5}"])
+    splits = data.build(cfg)
+    assert (len(splits.train), len(splits.eval), splits.input_shape, splits.num_classes) == (64, 32, (6,), 4)
+    model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+    assert model[0].out_features == 5
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no_such_module:f", "cannot import module 'no_such_module'"),
+    ("user_factories:missing", "module 'user_factories' has no function 'missing'"),
+    ("user_factories:not_a_model", "returned str, not a torch.nn.Module"),
+])
+def test_bad_model_factories(ref, message):
+    with pytest.raises(ConfigError, match=message):
+        models.build(load_config(None, [f"model.name={ref}"]).model, (6,), 4)
+
+
+def test_model_options_a_model_does_not_take():
+    with pytest.raises(ConfigError, match="model.options has depth, which mlp\\(\\) does not take"):
+        models.build(load_config(None, ["model.options={depth = 3}"]).model, (6,), 4)
+
+
+def test_the_guides_mlp():
+    model = models.build(load_config(None, []).model, (1, 28, 28), 10)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert [(l.in_features, l.out_features) for l in linears] == [(784, 1024), (1024, 10)]
+    assert isinstance(model[2], torch.nn.ReLU)

@@ -1,0 +1,92 @@
+"""Every way a worker can be started finds the same ranks and takes the same steps."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, TIMEOUT, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines, weights
+
+JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=301", "data.input_shape=[10]",
+       "model.hidden_size=16", "training.epochs=1", "training.log_every=1", "data.batch_size=32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The job through dtrain's own launcher: what every other start must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    ok(dtrain("run", *JOB, "--nproc", "2", f"run.dir={run_dir}"))
+    return run_dir
+
+
+def same_run(a, b):
+    assert [m["loss"] for m in train_lines(a)] == [m["loss"] for m in train_lines(b)]
+    assert_weights_close(weights(a), weights(b), atol=0, rtol=0)
+
+
+def by_hand(run_dir, per_rank_env, extra=()):
+    """Start 2 workers ourselves with the variables a launcher (srun, mpirun, a user) would set."""
+    procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={run_dir}", *extra],
+                              cwd=ROOT, env=env(OMP_NUM_THREADS="1", **per_rank_env(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+
+
+def test_plain_torchrun_module(reference, tmp_path):
+    ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "dtrain", "run", *JOB, f"run.dir={tmp_path}"], extra_env={"OMP_NUM_THREADS": "1"}))
+    same_run(reference, tmp_path)
+
+
+def test_srun_style_slurm_variables(reference, tmp_path):
+    port = free_port()
+    by_hand(tmp_path, lambda rank: {
+        "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(port)})
+    same_run(reference, tmp_path)
+
+
+def test_mpirun_style_open_mpi_variables(reference, tmp_path):
+    port = free_port()
+    by_hand(tmp_path, lambda rank: {
+        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": str(port)})
+    same_run(reference, tmp_path)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_tcp_and_file_init_methods(reference, tmp_path, scheme):
+    url = (f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}")
+    by_hand(tmp_path / "run", lambda rank: {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                            "LOCAL_WORLD_SIZE": "2"},
+            extra=[f"distributed.init_method={url}"])
+    same_run(reference, tmp_path / "run")
+
+
+def test_dtrain_launch_runs_the_guides_example_rewritten(tmp_path):
+    fake_mnist(tmp_path / "mnist", n_train=256, n_test=64)
+    ok(dtrain("launch", "--nproc", "2", "examples/mnist_ddp.py", "--data", str(tmp_path / "mnist"),
+              "--epochs", "2", "--run-dir", str(tmp_path / "run")))
+    lines = train_lines(tmp_path / "run")
+    assert lines[-1]["step"] == 2 * 2  # 128 samples per rank, batch 64
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_mnist_config_on_idx_files(tmp_path):
+    fake_mnist(tmp_path / "mnist", n_train=512, n_test=128, gz=False)
+    ok(dtrain("run", "examples/mnist_mlp.toml", "--nproc", "2", f"data.path={tmp_path / 'mnist'}",
+              "training.epochs=3", "optimizer.lr=0.1", "training.log_every=2", f"run.dir={tmp_path / 'run'}"))
+    final = [m for m in train_lines(tmp_path / "run")]
+    assert final[-1]["loss"] < final[0]["loss"]

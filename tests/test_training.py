@@ -1,0 +1,154 @@
+"""The recipe, proven with real processes: 2 CPU workers on gloo under torchrun."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import (ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, metrics, ok, torchrun,
+                     train_lines, weights)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One torchrun launch, several checks (starting processes is the slow part)."""
+    out = tmp_path_factory.mktemp("shared")
+    ok(torchrun(WORKERS / "scenarios.py", "shared", out))
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_parity_with_a_plain_ddp_loop(shared):
+    out, results = shared
+    ours = [m["loss"] for m in train_lines(out / "parity")]
+    plain = results["plain_losses"]
+    assert len(ours) == len(plain) == 2 * 7  # 102 samples per rank, batch 16: 7 steps an epoch
+    assert results["parity_used_shared_memory"]  # dtrain's CPU all-reduce, against gloo's
+    for step, (a, b) in enumerate(zip(ours, plain), start=1):
+        assert abs(a - b) <= 1e-6, f"step {step}: dtrain {a} vs plain DDP {b}"
+
+
+def test_dataloader_path_takes_the_same_steps(shared):
+    out, _ = shared
+    assert [m["loss"] for m in train_lines(out / "loader")] == [m["loss"] for m in train_lines(out / "parity")]
+
+
+def test_eval_is_exact_when_the_world_size_does_not_divide_the_data(shared):
+    _, results = shared
+    two, one = results["eval_2_ranks"], results["eval_1_process"]
+    assert two["eval_samples"] == 101  # not 102: the sample DistributedSampler would pad is not counted
+    assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-6
+    assert abs(two["eval_accuracy"] - one["eval_accuracy"]) < 1e-6
+    assert round(two["eval_accuracy"] * 101) == two["eval_accuracy"] * 101 or abs(
+        two["eval_accuracy"] * 101 - round(two["eval_accuracy"] * 101)) < 1e-9
+
+
+def test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch(shared):
+    _, results = shared
+    # 3 optimizer steps of 4 micro-batches each: 3 all-reduces, not 12.
+    assert results["accum_steps"] == 3
+    assert results["allreduce_calls"] == 3
+    assert results["shared_memory_calls"] == 3
+
+
+def test_a_group_the_user_made_is_left_alone(shared):
+    assert shared[1]["group_alive_after_user_owned_fit"] is True
+
+
+@pytest.mark.parametrize("mode", ["owned", "failing"])
+def test_the_process_group_is_destroyed_on_success_and_on_error(tmp_path, mode):
+    ok(torchrun(WORKERS / "scenarios.py", mode, tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["group_alive"] is False
+    assert results.get("error") == ("loss exploded" if mode == "failing" else None)
+
+
+TINY = ["data.name=synthetic", "data.num_samples=313", "data.input_shape=[12]", "data.num_classes=3",
+        "model.hidden_size=32", "optimizer.lr=0.1", "training.epochs=2", "training.log_every=1"]
+
+
+def test_two_ranks_of_b_equal_one_rank_of_2b(tmp_path):
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=8",
+              f"run.dir={tmp_path / 'two'}"))
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "1", *TINY, "data.batch_size=16",
+              f"run.dir={tmp_path / 'one'}"))
+    assert len(train_lines(tmp_path / "two")) == len(train_lines(tmp_path / "one")) == 2 * 16
+    assert_weights_close(weights(tmp_path / "two"), weights(tmp_path / "one"))
+
+
+def test_accumulating_4_micro_batches_equals_one_batch_4_times_larger(tmp_path):
+    # 250 training samples, 125 per rank: the last step holds 13 samples (4+4+4+1 when accumulating).
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=4",
+              "training.grad_accum_steps=4", f"run.dir={tmp_path / 'accum'}"))
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=16",
+              f"run.dir={tmp_path / 'big'}"))
+    accum, big = train_lines(tmp_path / "accum"), train_lines(tmp_path / "big")
+    assert len(accum) == len(big) == 2 * 8
+    for a, b in zip(accum, big):
+        assert abs(a["loss"] - b["loss"]) < 1e-5
+    assert_weights_close(weights(tmp_path / "accum"), weights(tmp_path / "big"))
+
+
+def test_bf16_autocast_on_cpu_runs_and_learns(tmp_path):
+    result = ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "training.precision=bf16",
+                       "training.epochs=6", "training.max_grad_norm=1.0", f"run.dir={tmp_path}"))
+    lines = train_lines(tmp_path)
+    assert lines[-1]["loss"] < 0.5 * lines[0]["loss"]
+    assert eval_lines(tmp_path)[-1]["eval_accuracy"] > 0.9
+    assert all(0 < m["grad_norm"] < 1e3 for m in lines)  # clipping on: the norm is logged
+    assert "error" not in result.stderr
+
+
+def test_fp16_on_cpu_is_refused_clearly(tmp_path):
+    result = dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "training.precision=fp16",
+                    f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("dtrain: error: training.precision = 'fp16' needs a CUDA GPU (fp16 "
+                                     "autocast with GradScaler); on this CPU use training.precision=bf16 or fp32")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_main_job(tmp_path):
+    """The README's first command: the guide's MLP on digits, 2 processes, >= 95% held-out accuracy."""
+    run_dir = tmp_path / "digits"
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={run_dir}"))
+
+    final = eval_lines(run_dir)[-1]
+    assert final["eval_accuracy"] >= 0.95
+    assert final["eval_samples"] == 359
+
+    # metrics.jsonl: one object per logged step with the promised fields.
+    lines = train_lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(10, 241, 10))
+    for m in lines:
+        assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= m.keys() and m["samples_per_s"] > 0
+    assert len(eval_lines(run_dir)) == 20  # every epoch
+
+    # The resolved config was written and reads back as the job that ran.
+    from dtrain.config import load_config
+
+    assert load_config(run_dir / "config.toml") == load_config(ROOT / "examples" / "digits_mlp.toml",
+                                                                [f"run.dir={run_dir}"])
+
+    # Real TensorBoard event files holding the same numbers.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [m["step"] for m in lines]
+    assert events.Scalars("eval/accuracy")[-1].value == pytest.approx(final["eval_accuracy"], rel=1e-6)
+
+    # The saved weights are the trained model: they reproduce the logged accuracy.
+    from dtrain import data, models
+
+    cfg = load_config(run_dir / "config.toml")
+    splits = data.build(cfg)
+    model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+    model.load_state_dict(weights(run_dir))
+    x, y = splits.eval.tensors
+    with torch.no_grad():
+        out = model(x)
+    assert (out.argmax(1) == y).float().mean().item() == pytest.approx(final["eval_accuracy"], abs=1e-6)
+    assert F.cross_entropy(out, y).item() == pytest.approx(final["eval_loss"], rel=1e-5)
