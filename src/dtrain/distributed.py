@@ -233,7 +233,7 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ) ->
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=config.timeout_s),
         # Binding the device up front lets nccl create its communicator eagerly and correctly.
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if backend == "nccl" else None,
     )
     return Session(env, backend, device, owns_group=True)
 

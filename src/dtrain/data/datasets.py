@@ -1,0 +1,138 @@
+"""The data a job trains on: built-in sets (digits, mnist, synthetic) and user factories."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from .. import factory
+from ..config import Config, DataConfig
+from ..errors import DataError
+from . import mnist
+
+# The held-out split of digits and synthetic data is fixed, whatever run.seed says, so that eval
+# figures of different runs are comparable.
+SPLIT_SEED = 1234
+
+
+@dataclass
+class DataSplits:
+    train: Dataset
+    eval: Dataset | None
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def build(config: Config) -> DataSplits:
+    """The train and eval sets `config.data` describes."""
+    data = config.data
+    if data.name == "digits":
+        return _digits(data)
+    if data.name == "mnist":
+        return _mnist(data)
+    if data.name == "synthetic":
+        return _synthetic(data, config.run.seed)
+    return _from_factory(config)
+
+
+def size_hint(config: Config) -> int | None:
+    """Training-set size known without loading the data (None when only loading would tell)."""
+    data = config.data
+    if data.name == "digits":
+        return 1797 - _held_out(1797, data.eval_fraction)
+    if data.name == "synthetic":
+        return data.num_samples - _held_out(data.num_samples, data.eval_fraction)
+    if data.name == "mnist":
+        files = mnist.find_files(data.path)
+        if files is not None and files["train_labels"].suffix != ".gz":
+            return max(0, files["train_labels"].stat().st_size - 8)  # one byte per label
+    return None
+
+
+def prepare(config: Config) -> None:
+    """Work that must happen once per node before workers start (downloads)."""
+    data = config.data
+    if data.name == "mnist" and mnist.find_files(data.path) is None:
+        if not data.download:
+            raise DataError(mnist.missing_files_message(data.path))
+        mnist.download(data.path)
+
+
+def _held_out(n: int, fraction: float) -> int:
+    return max(1, int(round(n * fraction)))
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, fraction: float) -> tuple[TensorDataset, TensorDataset]:
+    generator = torch.Generator().manual_seed(SPLIT_SEED)
+    order = torch.randperm(len(x), generator=generator)
+    n_eval = _held_out(len(x), fraction)
+    ev, tr = order[:n_eval], order[n_eval:]
+    return TensorDataset(x[tr], y[tr]), TensorDataset(x[ev], y[ev])
+
+
+def _digits(data: DataConfig) -> DataSplits:
+    from sklearn.datasets import load_digits  # imported here: it is slow and only digits needs it
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    train, ev = _split(x, y, data.eval_fraction)
+    return DataSplits(train, ev, input_shape=(64,), num_classes=10)
+
+
+def _mnist(data: DataConfig) -> DataSplits:
+    if mnist.find_files(data.path) is None and data.download:
+        mnist.download(data.path)
+    (train_x, train_y), (test_x, test_y) = mnist.load(data.path)
+    return DataSplits(TensorDataset(train_x, train_y), TensorDataset(test_x, test_y),
+                      input_shape=(1, 28, 28), num_classes=10)
+
+
+def _synthetic(data: DataConfig, seed: int) -> DataSplits:
+    """Gaussian inputs labelled by a fixed random linear teacher: learnable, and cheap to make."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = tuple(data.input_shape)
+    x = torch.randn((data.num_samples, *shape), generator=generator)
+    teacher = torch.randn((x[0].numel(), data.num_classes), generator=generator)
+    y = (x.flatten(1) @ teacher).argmax(dim=1)
+    train, ev = _split(x, y, data.eval_fraction)
+    return DataSplits(train, ev, input_shape=shape, num_classes=data.num_classes)
+
+
+def _from_factory(config: Config) -> DataSplits:
+    """A user factory returns a training set, or (train, eval), or a dict with 'train'/'eval'."""
+    fn = factory.resolve("data.name", config.data.name)
+    result: Any = factory.call(fn, {"config": config}, {})
+    train, ev = _unpack(result)
+    if not isinstance(train, Dataset) and not hasattr(train, "__getitem__"):
+        raise DataError(f"data.name = '{config.data.name}' returned {type(train).__name__}; it must "
+                        f"return a map-style Dataset, (train, eval) or {{'train': ..., 'eval': ...}}")
+    return DataSplits(train, ev, input_shape=infer_input_shape(train),
+                      num_classes=infer_num_classes(train, config.data.num_classes))
+
+
+def _unpack(result: Any) -> tuple[Any, Any]:
+    if isinstance(result, DataSplits):
+        return result.train, result.eval
+    if isinstance(result, dict):
+        return result.get("train"), result.get("eval")
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        return result[0], result[1]
+    return result, None
+
+
+def infer_input_shape(dataset: Dataset) -> tuple[int, ...]:
+    sample = dataset[0]
+    x = sample[0] if isinstance(sample, (tuple, list)) else sample
+    return tuple(torch.as_tensor(x).shape)
+
+
+def infer_num_classes(dataset: Dataset, default: int) -> int:
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) >= 2:
+        labels = dataset.tensors[1]
+        if not labels.is_floating_point() and labels.dim() == 1 and len(labels):
+            return max(int(labels.max()) + 1, 2)
+    return default

@@ -1,0 +1,78 @@
+"""Which samples each rank sees, in which order — exactly as DistributedSampler decides.
+
+`ShardSampler` reproduces `DistributedSampler(shuffle=True, seed=seed)` index for index (padding
+included), but hands out the shard as one tensor so in-memory data can be gathered a whole batch at a
+time, and it steps to a new order every epoch by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ShardSampler(Sampler[int]):
+    """A rank's share of `n` samples for one epoch, with DistributedSampler's order and padding."""
+
+    def __init__(self, n: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.n = n
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        # Every rank gets ceil(n / world) samples; the shortfall is padded with samples from the
+        # start of the order so that all ranks run the same number of steps.
+        self.num_samples = math.ceil(n / world_size)
+        self.total_size = self.num_samples * world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def shard(self, epoch: int | None = None) -> torch.Tensor:
+        """This rank's indices for `epoch` (default: the current one) as a LongTensor."""
+        epoch = self.epoch if epoch is None else epoch
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.n, generator=generator)
+        else:
+            order = torch.arange(self.n)
+        if self.total_size > self.n:
+            # DistributedSampler appends indices[:pad] (repeating the list as often as needed):
+            # position i of the padded order is order[i % n].
+            order = order.repeat(math.ceil(self.total_size / self.n))[: self.total_size]
+        return order[self.rank : self.total_size : self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shard().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Indices a rank evaluates: every sample exactly once across ranks, no padding.
+
+    Evaluation runs no collective inside the forward pass, so ranks may hold one sample more or less;
+    not padding means no duplicate is ever counted and the reduced metric equals a one-process eval.
+    """
+    return torch.arange(rank, n, world_size)
+
+
+class IndexSampler(Sampler[int]):
+    """Yields a fixed list of indices (used to feed a DataLoader a precomputed shard)."""
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices.tolist())
+
+    def __len__(self) -> int:
+        return len(self.indices)
