@@ -1,7 +1,7 @@
 """The `dtrain` command line.
 
-    dtrain run CONFIG [--nproc N] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]
-                      [--max-restarts R] [section.key=value ...]
+    dtrain run CONFIG [--resume] [--nproc N] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]
+                      [--max-restarts R] [--local-addr ADDR] [section.key=value ...]
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
@@ -25,7 +25,7 @@ from .errors import EXIT_USAGE, DtrainError
 # torch is imported only after the command line and config have been checked, so that a typo is
 # answered at once rather than after seconds of imports.
 
-LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "local_addr")
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                    help="rendezvous address on the first node, reachable from every node")
     g.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes (default dtrain)")
     g.add_argument("--max-restarts", type=int, default=None, metavar="R",
-                   help="restart the whole group up to R times when a worker fails (default 0)")
+                   help="restart the whole group up to R times when a worker fails (default 0); "
+                        "restarts resume from the newest checkpoint")
+    g.add_argument("--local-addr", default=None, metavar="ADDR",
+                   help="this node's address as the other nodes reach it (default: worked out from "
+                        "the route to --rdzv-endpoint)")
 
 
 def _spec(args: argparse.Namespace):
@@ -61,9 +65,12 @@ def cmd_run(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="dtrain run", description="Train the job a TOML config describes.")
     parser.add_argument("config", help="TOML job description, e.g. examples/digits_mlp.toml")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in run.dir (checkpoint.resume=yes)")
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
-    config = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
+    config = load_config(args.config, overrides)
     from .distributed import in_worker_environment
     from .job import preflight, worker_main
     from .launch import launch
@@ -74,11 +81,12 @@ def cmd_run(argv: Sequence[str]) -> int:
         return worker_main(config)
 
     spec = _spec(args)
+    spec.shutdown_grace_s = config.checkpoint.preempt_grace_s
     spec.validate()
     preflight(config, world_size=spec.nproc * spec.min_nodes, local_world_size=spec.nproc)
     if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
         return worker_main(config)  # one process: no launcher needed
-    return launch(spec, ["-m", "dtrain", "run", args.config, *args.overrides])
+    return launch(spec, ["-m", "dtrain", "run", args.config, *overrides])
 
 
 def cmd_launch(argv: Sequence[str]) -> int:

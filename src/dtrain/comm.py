@@ -24,7 +24,7 @@ import torch.distributed as dist
 SHM_DIR = "/dev/shm"
 # Each rank's slot holds at most this much of a bucket at a time; larger buckets go through in chunks.
 MAX_SLOT_BYTES = 64 << 20
-FLAG_STRIDE = 64  # bytes between ranks' arrival counters: one cache line each
+FLAG_STRIDE = 64  # bytes between ranks' arrival counters: one cache line each; the pid sits beside
 # Ranks meet by watching each other's counters in shared memory. That is safe without explicit
 # fences only where stores are seen in program order (x86-64); elsewhere they meet at a gloo barrier.
 SPIN_OK = platform.machine().lower() in ("x86_64", "amd64")
@@ -46,7 +46,10 @@ class SharedMemoryAllReduce:
         header = world_size * FLAG_STRIDE
         mapped = torch.from_file(path, shared=True, size=_file_bytes(world_size, slot_bytes),
                                  dtype=torch.uint8)
-        self._flags = mapped[:header].view(torch.int64).numpy()[:: FLAG_STRIDE // 8]
+        words = mapped[:header].view(torch.int64).numpy()
+        self._flags = words[:: FLAG_STRIDE // 8]
+        self._pids = words[1 :: FLAG_STRIDE // 8]
+        self._pids[rank] = os.getpid()
         self._slots = mapped[header:].view(2, world_size, slot_bytes)
 
     @classmethod
@@ -105,8 +108,12 @@ class SharedMemoryAllReduce:
                 os.sched_yield()
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
+                behind = [r for r in range(self.world_size) if self._flags[r] < generation]
+                dead = [r for r in behind if not _alive(int(self._pids[r]))]
+                if dead:  # no point waiting: let the launcher restart the group now
+                    raise RuntimeError(f"rank {self.rank}: rank(s) {dead} died before the gradient "
+                                       f"all-reduce")
                 if now > deadline:
-                    behind = [r for r in range(self.world_size) if self._flags[r] < generation]
                     raise TimeoutError(f"rank {self.rank} waited {self.timeout_s:g} s for rank(s) "
                                        f"{behind} at the gradient all-reduce")
 
@@ -116,6 +123,15 @@ def shared_memory_hook(state: SharedMemoryAllReduce, bucket: dist.GradBucket) ->
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(state.average(bucket.buffer()))
     return future
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (on this machine) still runs; a zombie counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _file_bytes(world_size: int, slot_bytes: int) -> int:

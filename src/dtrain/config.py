@@ -129,6 +129,22 @@ class TrainingConfig:
                              "device only then.", min=1)
     eval_every: int = setting(1, "Epochs between evaluations (the last epoch always evaluates; "
                               "0: only then).", min=0)
+    stop_at_step: int = setting(0, "End this run after this optimizer step with a checkpoint, keeping "
+                                "the schedule of the whole run; a later resume continues (0: off).",
+                                min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = setting(0, "Write a checkpoint every this many optimizer steps and at the end "
+                               "(0: only on SIGTERM or training.stop_at_step).", min=0)
+    keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).",
+                        min=1)
+    resume: Literal["auto", "yes", "no"] = setting(
+        "auto", "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
+        "must (what --resume sets); no: start fresh, refusing a run.dir that holds checkpoints.")
+    preempt_grace_s: float = setting(120.0, "Seconds workers get after SIGTERM to finish the step and "
+                                     "write their checkpoint before torchrun kills them.", above=0)
 
 
 @dataclass
@@ -140,6 +156,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> "Config":

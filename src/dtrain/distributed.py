@@ -278,3 +278,30 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def first_error(error: str | None) -> str | None:
+    """Every rank learns the lowest rank's error message, if any rank has one (a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    _let_gloo_release_python_objects()
+    return next((e for e in errors if e is not None), None)
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every rank (a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    _let_gloo_release_python_objects()
+    return box[0]
+
+
+def _let_gloo_release_python_objects() -> None:
+    # gloo's worker threads drop the Python-owned tensors of an object collective after it completes,
+    # and need the GIL for that. If the process group were destroyed right then (the main thread
+    # joins those threads holding the GIL) both would wait forever. A barrier lets them finish first.
+    dist.barrier()

@@ -22,3 +22,14 @@ class DataError(DtrainError):
 
 class EnvironmentProblem(DtrainError):
     """Something this machine or the distributed environment cannot provide (GPUs, backend, addresses)."""
+
+
+# Exit status of a run stopped by SIGTERM after writing its checkpoint: EX_TEMPFAIL from sysexits.h,
+# "temporary failure, try again" — what a scheduler's requeue rule should match.
+EXIT_REQUEUE = 75
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM after writing a checkpoint; rerunning the same command resumes."""
+
+    exit_code = EXIT_REQUEUE

@@ -7,14 +7,15 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import data, distributed, models
+from . import checkpoint, data, distributed, models
 from .amp import precision_for
 from .config import Config
-from .errors import DtrainError, EXIT_USAGE
+from .errors import EXIT_USAGE, DtrainError, Preempted
 from .trainer import Trainer, check_shardable
 
 # Set by `dtrain run/launch` for the workers it starts: they then leave reporting errors to it.
@@ -31,6 +32,7 @@ def preflight(config: Config, world_size: int, local_world_size: int) -> None:
     n_train = data.size_hint(config)
     if n_train is not None:
         check_shardable(config, n_train, world_size)
+    checkpoint.preflight(config.checkpoint, Path(config.run.dir), world_size)
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -57,6 +59,10 @@ def worker_main(config: Config) -> int:
     try:
         run(config)
         return 0
+    except Preempted as exc:
+        if rank == 0:
+            print(f"dtrain: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except DtrainError as exc:
         report(str(exc), rank, traceback_text=None)
         return EXIT_USAGE

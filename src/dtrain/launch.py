@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
-from . import distributed
-from .errors import EXIT_USAGE, ConfigError
+from . import distributed, netaddr
+from .errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 from .job import LAUNCHED_BY_DTRAIN
 
 
@@ -24,6 +25,8 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "dtrain"
     max_restarts: int = 0
+    local_addr: str | None = None  # this node's address as the other nodes reach it
+    shutdown_grace_s: float = 120.0  # after SIGTERM, before torchrun kills the workers
 
     @property
     def min_nodes(self) -> int:
@@ -56,23 +59,46 @@ def _is_host_port(value: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
-def torchrun_args(spec: LaunchSpec, entry: list[str]) -> list[str]:
+def torchrun_args(spec: LaunchSpec, entry: list[str], local_addr: str | None = None,
+                  is_host: bool = False) -> list[str]:
     """The torchrun command line (without 'torchrun') for `spec`, running `entry` in each worker."""
-    args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
+    args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}",
+            f"--shutdown-timeout={int(spec.shutdown_grace_s)}"]
     if not spec.multi_node and not spec.rdzv_endpoint:
-        args.append("--standalone")  # a private rendezvous on a free local port
-    elif spec.node_rank is not None:
-        host, _, port = spec.rdzv_endpoint.rpartition(":")
+        return args + ["--standalone"] + entry  # a private rendezvous on a free local port
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    if spec.node_rank is not None:
         args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=static", f"--node-rank={spec.node_rank}",
                  f"--master-addr={host}", f"--master-port={port}"]
     else:
         args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+        if is_host:
+            args.append("--rdzv-conf=is_host=1")  # this node serves the store at the endpoint
+    if local_addr:
+        args.append(f"--local-addr={local_addr}")
     return args + entry
+
+
+def _own_address(spec: LaunchSpec) -> tuple[str | None, bool]:
+    """This node's address and whether it hosts the rendezvous (multi-node only)."""
+    if not spec.rdzv_endpoint:
+        return spec.local_addr, False
+    host = spec.rdzv_endpoint.rpartition(":")[0]
+    try:
+        local, is_host = netaddr.node_address(host)
+    except OSError as exc:
+        raise EnvironmentProblem(f"--rdzv-endpoint {spec.rdzv_endpoint}: cannot find a route to {host} "
+                                 f"({exc}); check the address, or pass --local-addr") from None
+    if spec.local_addr:
+        is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
+        local = spec.local_addr
+    return local, is_host
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
     """Run `entry` in `spec.nproc` workers per node under torchrun; the job's exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -82,13 +108,24 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         # torchrun would set 1; split the cores among the local workers instead.
         os.environ["OMP_NUM_THREADS"] = str(max(1, distributed.available_cores() // spec.nproc))
     os.environ[LAUNCHED_BY_DTRAIN] = "1"
+    # Give each restarted group a fresh rendezvous store: when the workers share the agent's store, a
+    # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    local_addr, is_host = _own_address(spec)
+    if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = netaddr.interface_of(local_addr)
+        if interface:  # gloo would otherwise bind whatever the hostname resolves to
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     _quiet_elastic_logs()
-    args = get_args_parser().parse_args(torchrun_args(spec, entry))
+    args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
         run(args)
         return 0
     except ChildFailedError as exc:
         return _report_failure(exc)
+    except SignalException as exc:
+        # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
+        return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     except RendezvousError as exc:
         print(f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
               f"that --rdzv-endpoint is reachable from every node and --nnodes matches",

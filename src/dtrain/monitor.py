@@ -25,7 +25,7 @@ TB_TAGS = {
 
 class Monitor:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int = 0,
-                 progress_bar: bool | None = None):
+                 progress_bar: bool | None = None, purge_after: int | None = None):
         self.enabled = enabled
         self._bar = None
         self._writer = None
@@ -34,7 +34,9 @@ class Monitor:
             return
         from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                     purge_step=None if purge_after is None else purge_after + 1)
         self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()

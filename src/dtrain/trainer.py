@@ -20,13 +20,15 @@ from torch.utils.data import Dataset
 
 from . import distributed
 from .amp import precision_for
-from .checkpoint import atomic_write_text, save_final_weights
+from .checkpoint import (Checkpointer, Parts, Position, RunDirLock, atomic_write_text, save_final_weights,
+                         truncate_metrics)
 from .comm import SharedMemoryAllReduce, shared_memory_hook
 from .config import Config
 from .data import EvalBatches, ShardSampler, TrainBatches
-from .errors import DataError
+from .errors import DataError, DtrainError, Preempted
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler
+from .preemption import StopRequest
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,9 +67,11 @@ class Trainer:
         if self.session is not None:
             return
         self.session = distributed.start(self.config.distributed)
+        self._lock = RunDirLock(self.run_dir)
         try:
             self._build()
         except BaseException:
+            self._lock.release(remove_if_created=True)
             distributed.stop(self.session)
             raise
 
@@ -104,12 +108,41 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=device)  # read on the host only at log steps
         self._norm_sum = torch.zeros((), device=device)
         self._window = _Window()
+
+        self._take_run_dir()
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, Parts(
+            self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank,
+            session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps))
+        resume_from = self.checkpointer.find_resume_point()
+        if resume_from is not None:
+            position = self.checkpointer.restore(resume_from)
+            self.step, self.epoch = position.step, position.epoch
         self._lr = self.optimizer.param_groups[0]["lr"]
 
+        continuing = resume_from is not None and self.step < self.total_steps
         if session.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.toml", cfg.to_toml())
-        self.monitor = Monitor(self.run_dir, session.is_main, self.total_steps, self.step)
+            if continuing:
+                # An epoch that ended exactly at the checkpoint is evaluated again on resume.
+                epoch_end_pending = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
+                truncate_metrics(self.run_dir / "metrics.jsonl", self.step, drop_eval_at_step=epoch_end_pending)
+        self.monitor = Monitor(self.run_dir, session.is_main, self.total_steps, self.step,
+                               purge_after=self.step if continuing else None)
+        if resume_from is not None:
+            self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
+                              f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
+
+    def _take_run_dir(self) -> None:
+        """Rank 0 locks run.dir for the life of the run: two live runs must never share it."""
+        error = None
+        if self.session.is_main:
+            try:
+                self._lock.acquire()
+            except DtrainError as exc:
+                error = str(exc)
+        error = distributed.first_error(error)
+        if error:
+            raise DtrainError(error)
 
     def _share_gradients_in_memory(self) -> SharedMemoryAllReduce | None:
         """On CPU with every rank on this machine, average gradients through shared memory."""
@@ -131,10 +164,15 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train for `training.epochs` (or `training.max_steps`); returns the last logged metrics."""
+        """Train for `training.epochs` (or `training.max_steps`); returns the last logged metrics.
+
+        Raises `Preempted` after writing a checkpoint when the job receives SIGTERM.
+        """
         self.setup()
         cfg = self.config.training
         last: dict[str, Any] = {}
+        stop = StopRequest()
+        stop.install()
         try:
             self.model.train()
             while self.step < self.total_steps:
@@ -143,8 +181,25 @@ class Trainer:
                     self._train_step(micro_batches)
                     self.step += 1
                     self.monitor.advance()
+                    stopping = False
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        last = self._log_train()
+                        last, stopping = self._log_train(stop.requested)
+                    elif self.session.world_size == 1:
+                        stopping = stop.requested  # nobody to agree with: check every step
+                    if stopping and self.step < self.total_steps:
+                        self._save_checkpoint()
+                        raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
+                                        f"{self.checkpointer.store.root}/step-{self.step}; rerun the same "
+                                        f"command to resume")
+                    if self._checkpoint_due():
+                        self._save_checkpoint()
+                    if self.step == cfg.stop_at_step:
+                        if self.checkpointer.last_saved_step != self.step:
+                            self._save_checkpoint()
+                        self.monitor.info(f"stopped at step {self.step} as training.stop_at_step asks; "
+                                          f"resume to continue")
+                        distributed.barrier()
+                        return last
                     if self.step == self.total_steps:
                         break
                 epoch_done = self.step % self.train_batches.steps_per_epoch == 0
@@ -152,13 +207,27 @@ class Trainer:
                     self.epoch += 1
                 if self._should_evaluate(epoch_done):
                     last = {**last, **self._log_eval()}
+            if self.config.checkpoint.every_steps and self.checkpointer.last_saved_step != self.step:
+                self._save_checkpoint()
             if self.session.is_main:
                 save_final_weights(self.module, self.run_dir / "model.safetensors")
             distributed.barrier()
         finally:
+            stop.uninstall()
             self.monitor.close()
+            self._lock.release()
             distributed.stop(self.session)
         return last
+
+    def _checkpoint_due(self) -> bool:
+        every = self.config.checkpoint.every_steps
+        return bool(every) and self.step % every == 0 and self.step < self.total_steps
+
+    def _save_checkpoint(self) -> None:
+        self._window.pause()
+        checkpoint = self.checkpointer.save(Position(self.step, self.epoch))
+        self._window.resume()
+        self.monitor.info(f"checkpoint {checkpoint.name} written")
 
     def _train_step(self, micro_batches: list[tuple[Any, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
@@ -228,17 +297,23 @@ class Trainer:
 
     # --- logging --------------------------------------------------------------------------------
 
-    def _log_train(self) -> dict[str, Any]:
-        """Reduce the window's device accumulators across ranks and read them: the only host sync."""
-        steps = self._window.steps
-        stats = torch.stack([self._loss_sum, self._norm_sum]) / steps
-        loss, grad_norm = (distributed.all_reduce_sum(stats) / self.session.world_size).tolist()
+    def _log_train(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+        """Reduce the window's device accumulators across ranks and read them: the only host sync.
+
+        The same all-reduce carries each rank's stop request, so the group agrees to stop together.
+        Returns the record and whether any rank asked to stop.
+        """
+        stop = torch.tensor(float(stop_requested), device=self._loss_sum.device)
+        sums = distributed.all_reduce_sum(torch.stack([self._loss_sum, self._norm_sum, stop]))
+        per_step = self._window.steps * self.session.world_size
+        loss, grad_norm, stops = (sums / torch.tensor([per_step, per_step, 1], device=sums.device)).tolist()
         self._loss_sum.zero_()
         self._norm_sum.zero_()
         samples, seconds = self._window.take()
         record = {
             "step": self.step,
             "epoch": self.epoch,
+            "time": time.time(),
             "loss": loss,
             "lr": self._lr,
             "samples_per_s": samples * self.session.world_size / seconds,
@@ -246,11 +321,11 @@ class Trainer:
         if self.config.training.max_grad_norm > 0:
             record["grad_norm"] = grad_norm
         self.monitor.log(record)
-        return record
+        return record, stops > 0
 
     def _log_eval(self) -> dict[str, Any]:
         self._window.pause()
-        record = {"step": self.step, "epoch": self.epoch, **self.evaluate()}
+        record = {"step": self.step, "epoch": self.epoch, "time": time.time(), **self.evaluate()}
         self.monitor.log(record)
         self._window.resume()
         return record

@@ -1,0 +1,130 @@
+"""What a checkpoint of the main model costs, and how long a restart takes to get back to training.
+
+    python benchmarks/checkpoint_cost.py            # 2 processes, 5 saves, 3 restarts
+
+- save / load: the guide's 784→1024→10 MLP with SGD momentum, 2 processes on gloo; seconds per
+  checkpoint written and read back (median), and its bytes on disk.
+- restart: `dtrain run ... --nproc 2 --max-restarts 1` where one worker SIGKILLs itself mid-run; the
+  time from its death to the first training step the restarted group completes (torchrun noticing,
+  stopping the survivor, restarting both, rendezvous, imports, resume from the newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def dying_mlp(input_shape, num_classes, die_at=0, note=""):
+    """The guide's MLP; in the first attempt, rank 1 SIGKILLs itself at training forward `die_at`."""
+    import torch
+    from torch import nn
+
+    class Dying(nn.Sequential):
+        calls = 0
+
+        def forward(self, x):
+            if self.training:
+                Dying.calls += 1
+                first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                if first and os.environ.get("RANK") == "1" and Dying.calls == die_at:
+                    Path(note).write_text(str(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return super().forward(x)
+
+    return Dying(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), 1024), nn.ReLU(),
+                 nn.Linear(1024, num_classes))
+
+
+def save_load_worker(out: Path, saves: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import TensorDataset
+
+    import dtrain
+    from dtrain.checkpoint import Position
+    from dtrain.models import mlp
+
+    dist.init_process_group("gloo")
+    x, y = torch.rand(4096, 1, 28, 28), torch.randint(0, 10, (4096,))
+    run_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-")) if dist.get_rank() == 0 else None
+    run_dir = Path(dtrain.distributed.from_rank0(str(run_dir)))
+    config = dtrain.Config.from_dict({"run": {"dir": str(run_dir)}, "optimizer": {"momentum": 0.9},
+                                      "training": {"epochs": 1, "max_steps": 5}})
+    trainer = dtrain.Trainer(config, model=mlp((1, 28, 28), 10), train_data=TensorDataset(x, y))
+    trainer.fit()  # leaves the group alone: it did not create it
+    save_s, load_s = [], []
+    for i in range(saves):
+        dist.barrier()
+        start = time.perf_counter()
+        checkpoint = trainer.checkpointer.save(Position(100 + i, 0))
+        dist.barrier()
+        save_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        trainer.checkpointer.restore(checkpoint)
+        dist.barrier()
+        load_s.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        size = sum(p.stat().st_size for p in checkpoint.path.rglob("*") if p.is_file())
+        out.write_text(json.dumps({"save_s": statistics.median(save_s), "load_s": statistics.median(load_s),
+                                   "bytes": size}))
+    dist.destroy_process_group()
+
+
+def measure_restart(tmp: Path) -> float:
+    note = tmp / "died_at"
+    run_dir = tmp / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "dtrain", "run", "examples/digits_mlp.toml", "data.name=synthetic",
+                    "data.num_samples=20000", "training.epochs=1", "training.log_every=1",
+                    "checkpoint.every_steps=20", "model.name=checkpoint_cost:dying_mlp",
+                    f"model.options={{die_at = 50, note = \"{note}\"}}", "--nproc", "2", "--max-restarts", "1",
+                    f"run.dir={run_dir}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    died = float(note.read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    back = min(m["time"] for m in lines if "loss" in m and m["time"] > died)
+    return back - died
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        save_load_worker(args.worker, args.saves)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "save_load.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        __file__, "--worker", str(out), "--saves", str(args.saves)], check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        cost = json.loads(out.read_text())
+        restarts = []
+        for i in range(args.restarts):
+            case = Path(tmp) / f"restart{i}"
+            case.mkdir()
+            restarts.append(measure_restart(case))
+    print("| what (784→1024→10 MLP, SGD momentum, 2 processes) | median |")
+    print("| --- | ---: |")
+    print(f"| checkpoint size on disk | {cost['bytes'] / 1e6:.1f} MB |")
+    print(f"| write one checkpoint (all ranks, fsynced, sealed) | {cost['save_s']:.3f} s |")
+    print(f"| read it back (verify not included) | {cost['load_s']:.3f} s |")
+    print(f"| worker killed → restarted group trains again | {statistics.median(restarts):.1f} s "
+          f"({', '.join(f'{r:.1f}' for r in restarts)}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Checkpoints: scheduled and on preemption, atomic, verified, resumed exactly.
+
+`Checkpointer` is what the trainer talks to; `store` knows the folders, `state` what goes in them,
+`files` how to write so that nothing is ever half there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..config import CheckpointConfig
+from ..distributed import first_error, from_rank0
+from .files import RunDirLock, atomic_write_text, save_final_weights
+from .state import Parts, Position, world_size_mismatch
+from .store import Checkpoint, CheckpointError, CheckpointStore
+
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts", "Position",
+           "RunDirLock", "atomic_write_text", "save_final_weights", "truncate_metrics"]
+
+
+def restart_count() -> int:
+    """How often torchrun has restarted this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class Checkpointer:
+    """Saves and restores `parts` under `<run_dir>/checkpoints`. Every method is called on every rank;
+    rank 0 alone touches the folder structure."""
+
+    def __init__(self, config: CheckpointConfig, run_dir: Path, parts: Parts):
+        self.config = config
+        self.store = CheckpointStore(run_dir)
+        self.parts = parts
+        self.is_main = parts.rank == 0
+        self.last_saved_step: int | None = None
+
+    def find_resume_point(self) -> Checkpoint | None:
+        """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""
+        answer: tuple[int | None, str | None] = (None, None)
+        if self.is_main:
+            try:
+                self.store.remove_partials()
+                checkpoint = self._choose()
+                if checkpoint is not None:
+                    self.store.check_intact(checkpoint)
+                answer = (checkpoint.step if checkpoint else None, None)
+            except CheckpointError as exc:
+                answer = (None, str(exc))
+        step, error = from_rank0(answer)
+        if error:
+            raise CheckpointError(error)
+        return None if step is None else Checkpoint(step, self.store.root / f"step-{step}")
+
+    def _choose(self) -> Checkpoint | None:
+        # A restarted group always continues where the failed one left off.
+        return choose_resume(self.store, "auto" if restart_count() > 0 else self.config.resume)
+
+    def restore(self, checkpoint: Checkpoint) -> Position:
+        from .tensors import load
+
+        position = load(checkpoint.path, self.parts)
+        self.last_saved_step = position.step
+        return position
+
+    def save(self, position: Position) -> Checkpoint:
+        """Write checkpoint `position.step` (collective). A failure on any rank leaves the previous
+        checkpoints untouched, removes the partial one and raises on every rank."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .tensors import save
+
+        step = position.step
+        error = None
+        if self.is_main:
+            try:
+                self.store.begin(step)
+            except OSError as exc:
+                error = _describe(exc)
+        error = first_error(error)  # also: the folder exists for everyone
+        meta = None
+        if error is None:
+            try:
+                meta = save(self.store.partial_path(step), self.parts, position)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, I/O errors
+                error = f"rank {self.parts.rank}: {_space_hint(self.store) or _describe(exc)}"
+            error = first_error(error)
+        checkpoint = Checkpoint(step, self.store.root / f"step-{step}")
+        if error is None and self.is_main:
+            try:
+                checkpoint = self.store.commit(step, meta)
+                self.store.prune(self.config.keep)
+            except OSError as exc:
+                error = _describe(exc)
+        if error is not None:
+            if self.is_main:
+                self.store.abandon(step)
+            newest = self.store.newest()
+            kept = f"; {newest.name} is intact" if newest else ""
+            raise CheckpointError(f"could not write checkpoint step-{step} in {self.store.root}: {error}"
+                                  f"{kept}; free space or choose another run.dir")
+        self.last_saved_step = step
+        return checkpoint
+
+
+def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
+    """The checkpoint `checkpoint.resume = mode` continues from, or a refusal."""
+    newest = store.newest()
+    if mode == "no" and newest is not None:
+        raise CheckpointError(
+            f"run.dir {store.root.parent} already holds checkpoints (newest {newest.name}); continue "
+            f"that run with --resume (or checkpoint.resume=auto), or choose another run.dir")
+    if mode == "yes" and newest is None:
+        raise CheckpointError(f"--resume: {store.root} holds no complete checkpoint to continue from; "
+                              f"run without --resume to start afresh")
+    return newest if mode != "no" else None
+
+
+def preflight(config: CheckpointConfig, run_dir: Path, world_size: int) -> None:
+    """What the launcher can refuse before starting workers: a run.dir in use, a resume that cannot
+    happen, a damaged checkpoint, a checkpoint from another world size."""
+    RunDirLock(run_dir).check_free()
+    store = CheckpointStore(run_dir)
+    checkpoint = choose_resume(store, config.resume)
+    if checkpoint is not None:
+        saved = store.check_intact(checkpoint).get("world_size")
+        if saved is not None and saved != world_size:
+            raise CheckpointError(world_size_mismatch(checkpoint.name, saved, world_size))
+
+
+def _space_hint(store: CheckpointStore) -> str:
+    """Name a full disk when that is the cause (torch.save reports it only as a write-position error)."""
+    try:
+        stats = os.statvfs(store.root)
+    except OSError:
+        return ""
+    free = stats.f_bavail * stats.f_frsize
+    newest = store.newest()
+    needed = sum(f["bytes"] for f in newest.meta()["files"].values()) if newest else 1 << 20
+    if free < needed:
+        return f"No space left on device ({free:,} bytes free, a checkpoint takes about {needed:,})"
+    return ""
+
+
+def _describe(exc: BaseException) -> str:
+    """The root cause of a (possibly DCP-wrapped) failure, in one line."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, stack)}
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def truncate_metrics(path: Path, step: int, drop_eval_at_step: bool) -> None:
+    """Drop what an interrupted run logged after the checkpoint it resumes from (and its eval at that
+    step when the resumed run evaluates it again), so the file reads as one run."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the interruption
+        at = record.get("step", 0)
+        if at < step or (at == step and not ("eval_loss" in record and drop_eval_at_step)):
+            kept.append(line)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))

@@ -1,0 +1,153 @@
+"""Files that are whole or absent: atomic writes, checksummed manifests, and the run-directory lock."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from safetensors.torch import save_model
+from torch import nn
+
+from ..errors import DtrainError
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` so that readers see the old file or the whole new one, never a part."""
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_final_weights(model: nn.Module, path: Path) -> None:
+    """The trained weights as safetensors (loadable without pickle), written atomically."""
+    _atomic(path, lambda tmp: save_model(model, tmp, metadata={"format": "pt"}))
+
+
+def _atomic(path: Path, write: Callable[[str], object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        fsync_file(Path(tmp))
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- manifests: what a complete checkpoint holds, byte for byte ------------------------------------
+
+
+def crc32(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def manifest(folder: Path) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of every file under `folder` (relative paths)."""
+    return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def verify(folder: Path, expected: dict[str, dict[str, int]]) -> str | None:
+    """None when `folder` holds exactly what `expected` lists; else what is wrong, naming the file."""
+    for name, want in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{path} is truncated or altered ({size} bytes, {want['bytes']} expected)"
+        if crc32(path) != want["crc32"]:
+            return f"{path} is corrupt (checksum mismatch)"
+    return None
+
+
+# --- one live run per run directory ---------------------------------------------------------------
+
+
+class RunDirLock:
+    """An exclusive lock on `<run.dir>/.lock`, held by rank 0 for the life of the run.
+
+    flock is released by the kernel when the holder dies, so a crashed or killed run never leaves a
+    stale lock behind (a restarted rank 0 simply takes it again).
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self._fd: int | None = None
+        self._created_dir = False
+
+    def acquire(self) -> None:
+        self._created_dir = not self.path.parent.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            error = self._in_use(fd)
+            os.close(fd)
+            raise error from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+
+    def check_free(self) -> None:
+        """Refuse now if another live run holds the lock (without taking it or creating anything)."""
+        if not self.path.exists():
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._in_use(fd) from None
+        finally:
+            os.close(fd)
+
+    def _in_use(self, fd: int) -> DtrainError:
+        return DtrainError(f"run.dir {self.path.parent} is in use by another run ({_read_holder(fd)}); "
+                           f"wait for it to finish or choose another run.dir")
+
+    def release(self, remove_if_created: bool = False) -> None:
+        """Drop the lock; on a refused start, also remove a run.dir this lock created (and nothing
+        else was written to)."""
+        if self._fd is None:
+            return
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+        if remove_if_created and self._created_dir and [p.name for p in self.path.parent.iterdir()] == [".lock"]:
+            self.path.unlink()
+            self.path.parent.rmdir()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown"

@@ -1,0 +1,124 @@
+"""Where checkpoints live and which one counts.
+
+    <run.dir>/checkpoints/step-<N>/            a complete checkpoint (holds COMPLETE.json)
+    <run.dir>/checkpoints/.partial-step-<N>/   one being written; never chosen, removed on the next start
+
+A checkpoint is written under its partial name, every file fsynced, then its marker — a manifest of
+every file's size and CRC-32 — is written last and the folder renamed into place. A folder without the
+marker is never chosen; one whose files do not match the marker is refused with the file named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import DtrainError
+from .files import atomic_write_text, fsync_dir, manifest, verify
+
+MARKER = "COMPLETE.json"
+PARTIAL_PREFIX = ".partial-"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(DtrainError):
+    """A checkpoint that cannot be used as it is."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.path / MARKER).read_text())
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: Path):
+        self.root = Path(run_dir) / "checkpoints"
+
+    def complete(self) -> list[Checkpoint]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and (path / MARKER).is_file():
+                found.append(Checkpoint(int(match.group(1)), path))
+        return sorted(found, key=lambda c: c.step)
+
+    def newest(self) -> Checkpoint | None:
+        complete = self.complete()
+        return complete[-1] if complete else None
+
+    def partial_path(self, step: int) -> Path:
+        return self.root / f"{PARTIAL_PREFIX}step-{step}"
+
+    def remove_partials(self) -> list[Path]:
+        """Delete what interrupted writes left behind (call only while holding the run-dir lock)."""
+        removed = []
+        if self.root.is_dir():
+            for path in self.root.iterdir():
+                if path.name.startswith(PARTIAL_PREFIX):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+        return removed
+
+    def begin(self, step: int) -> Path:
+        """A fresh, empty folder to write checkpoint `step` into."""
+        path = self.partial_path(step)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, step: int, meta: dict[str, Any]) -> Checkpoint:
+        """Seal the partial folder of `step` with its manifest and move it into place."""
+        partial = self.partial_path(step)
+        atomic_write_text(partial / MARKER, json.dumps({**meta, "files": manifest(partial)}, indent=1))
+        final = self.root / f"step-{step}"
+        if final.exists():  # the same step written again (a rerun after a crash): replace it whole
+            stale = self.root / f"{PARTIAL_PREFIX}replaced-step-{step}"
+            shutil.rmtree(stale, ignore_errors=True)
+            final.rename(stale)
+            partial.rename(final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            partial.rename(final)
+        fsync_dir(self.root)
+        return Checkpoint(step, final)
+
+    def abandon(self, step: int) -> None:
+        shutil.rmtree(self.partial_path(step), ignore_errors=True)
+
+    def prune(self, keep: int) -> list[Checkpoint]:
+        """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest one)."""
+        complete = self.complete()
+        doomed = complete[: max(0, len(complete) - max(keep, 1))]
+        for checkpoint in doomed:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+        return doomed
+
+    def check_intact(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """The checkpoint's marker, after checking every file against it."""
+        try:
+            meta = checkpoint.meta()
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
+                                  f"{checkpoint.path} to resume from an earlier checkpoint") from None
+        problem = verify(checkpoint.path, meta.get("files", {}))
+        if problem:
+            earlier = [c.name for c in self.complete() if c.step < checkpoint.step]
+            fix = (f"delete {checkpoint.path} to resume from {earlier[-1]}" if earlier
+                   else f"delete {checkpoint.path} to start over")
+            raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {fix}")
+        return meta

@@ -1,0 +1,213 @@
+"""What a checkpoint holds and how it goes back in.
+
+    step-<N>/state/             model and optimizer tensors, by torch.distributed.checkpoint (DCP)
+    step-<N>/trainer.json       step, epoch, world size, batch geometry, optimizer groups, LR schedule,
+                                GradScaler — everything that is not a tensor, as JSON
+    step-<N>/rng-rank<R>.safetensors   each rank's torch / CUDA / numpy / python RNG states
+
+Only tensors go through DCP, whose tensor files load with `torch.load(weights_only=True)`; its
+metadata file is read by a restricted unpickler that accepts DCP's own metadata classes and nothing
+else. No pickle from a checkpoint is ever loaded unrestricted.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from .files import fsync_file
+from .state import Parts, Position, world_size_mismatch
+from .store import CheckpointError
+
+TENSORS = "state"
+TRAINER = "trainer.json"
+
+
+def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
+    """Write this rank's share of a checkpoint into `folder` (every rank calls it). Returns the
+    marker metadata."""
+    model_state = parts.module.state_dict()
+    optim_state = get_optimizer_state_dict(parts.module, parts.optimizer)
+    tensors = {f"model/{k}": v.detach() for k, v in model_state.items()}
+    leftovers: dict[str, dict[str, Any]] = {}
+    for fqn, entries in optim_state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{fqn}/{name}"] = value
+            else:
+                leftovers.setdefault(fqn, {})[name] = value
+    # Each tensor exists on every rank (DDP keeps replicas): DCP writes each one once.
+    dcp.save({k: v.cpu() for k, v in tensors.items()}, storage_writer=FileSystemWriter(folder / TENSORS),
+             no_dist=parts.world_size == 1)
+    _save_rng(folder / f"rng-rank{parts.rank}.safetensors")
+    meta = {
+        "step": position.step,
+        "epoch": position.epoch,
+        "world_size": parts.world_size,
+        "samples_per_step": parts.samples_per_step,
+    }
+    if parts.rank == 0:
+        trainer = {
+            **meta,
+            "optimizer": {"param_groups": optim_state["param_groups"], "state": leftovers},
+            "scheduler": parts.scheduler.state_dict(),
+            "scaler": parts.scaler.state_dict(),
+        }
+        (folder / TRAINER).write_text(json.dumps(trainer, indent=1))
+        fsync_file(folder / TRAINER)
+    return meta
+
+
+def load(folder: Path, parts: Parts) -> Position:
+    """Put checkpoint `folder` back into `parts` (every rank calls it); refuses what would not fit."""
+    trainer = json.loads((folder / TRAINER).read_text())
+    _check_geometry(folder, trainer, parts)
+    reader = SafeReader(folder / TENSORS)
+    metadata = reader.read_metadata()
+    _check_model(folder, metadata, parts.module)
+
+    model_state = parts.module.state_dict()
+    tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
+    optim_entries: dict[str, dict[str, Any]] = {
+        fqn: dict(entries) for fqn, entries in trainer["optimizer"]["state"].items()}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("optimizer/"):
+            _, rest = key.split("/", 1)
+            fqn, name = rest.rsplit("/", 1)
+            placeholder = torch.empty(item.size, dtype=item.properties.dtype)
+            tensors[key] = placeholder
+            optim_entries.setdefault(fqn, {})[name] = placeholder
+    dcp.load(tensors, storage_reader=reader, no_dist=parts.world_size == 1)  # in place
+
+    device = next(parts.module.parameters()).device
+    optim_state = {
+        "state": {fqn: {n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in entries.items()}
+                  for fqn, entries in optim_entries.items()},
+        "param_groups": trainer["optimizer"]["param_groups"],
+    }
+    set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
+    parts.scheduler.load_state_dict(trainer["scheduler"])
+    if trainer["scaler"]:
+        parts.scaler.load_state_dict(trainer["scaler"])
+    _load_rng(folder / f"rng-rank{parts.rank}.safetensors")
+    return Position(step=trainer["step"], epoch=trainer["epoch"])
+
+
+def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:
+    if trainer["world_size"] != parts.world_size:
+        raise CheckpointError(world_size_mismatch(folder.name, trainer["world_size"], parts.world_size))
+    if trainer["samples_per_step"] != parts.samples_per_step:
+        raise CheckpointError(
+            f"checkpoint {folder.name} took {trainer['samples_per_step']} samples per process per step and "
+            f"this run takes {parts.samples_per_step} (data.batch_size × training.grad_accum_steps); "
+            f"resume with the same values, or start a new run.dir")
+
+
+def _check_model(folder: Path, metadata: Metadata, module: nn.Module) -> None:
+    saved = {k[len("model/"):]: item for k, item in metadata.state_dict_metadata.items()
+             if k.startswith("model/")}
+    current = module.state_dict()
+    for key, tensor in current.items():
+        item = saved.get(key)
+        if item is None:
+            raise CheckpointError(f"checkpoint {folder.name} has no '{key}' for this run's model; resume "
+                                  f"with the model the checkpoint was trained with, or start a new run.dir")
+        if not isinstance(item, TensorStorageMetadata) or list(item.size) != list(tensor.shape):
+            shape = list(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
+            raise CheckpointError(f"checkpoint {folder.name} holds '{key}' of shape {shape} and this run's "
+                                  f"model has {list(tensor.shape)}; resume with the model settings the "
+                                  f"checkpoint was trained with, or start a new run.dir")
+    extra = sorted(set(saved) - set(current))
+    if extra:
+        raise CheckpointError(f"checkpoint {folder.name} holds '{extra[0]}', which this run's model lacks; "
+                              f"resume with the same model, or start a new run.dir")
+
+
+# --- RNG states -----------------------------------------------------------------------------------
+
+
+def _save_rng(path: Path) -> None:
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    tensors = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+    }
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = state
+    metadata = {"numpy": json.dumps([np_kind, np_pos, np_has_gauss, np_gauss]),
+                "python": json.dumps([py_version, py_gauss])}
+    save_file(tensors, str(path), metadata=metadata)
+    fsync_file(path)
+
+
+def _load_rng(path: Path) -> None:
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as fh:
+        metadata = fh.metadata()
+    torch.set_rng_state(tensors["torch"])
+    np_kind, np_pos, np_has_gauss, np_gauss = json.loads(metadata["numpy"])
+    np.random.set_state((np_kind, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss,
+                         np_gauss))
+    py_version, py_gauss = json.loads(metadata["python"])
+    random.setstate((py_version, tuple(tensors["python_state"].tolist()), py_gauss))
+    cuda = sorted(k for k in tensors if k.startswith("cuda_"))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda][: torch.cuda.device_count()])
+
+
+# --- reading DCP's metadata without unrestricted pickle ------------------------------------------------
+
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED = {
+    (f"{_DCP}.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with its metadata read by the restricted unpickler above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            raise CheckpointError(f"{path} is not DCP metadata dtrain can trust ({exc}); delete "
+                                  f"{path.parent.parent} to resume from an earlier checkpoint") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,261 @@
+"""Checkpoints, exact resume, crashes, preemption, and what must be refused — with real processes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.checkpoint import CheckpointStore
+from dtrain.checkpoint.store import MARKER
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, ok, torchrun, train_lines, weights
+
+JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
+       "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",
+       "training.log_every=1", "scheduler.name=cosine"]
+MODEL = "model.options={hidden_size = 32%s}"  # 400 samples, 200 a rank: 13 steps an epoch, 39 in all
+
+
+def run_job(run_dir, *extra, nproc=2, model_extra=""):
+    return dtrain("run", *JOB, MODEL % model_extra, "--nproc", str(nproc), f"run.dir={run_dir}", *extra)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The job run start to finish without interruption."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    ok(run_job(run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """The same job with a checkpoint every 10 steps (kept: step-10, -20, -30, -39)."""
+    run_dir = tmp_path_factory.mktemp("checkpointed")
+    ok(run_job(run_dir, "checkpoint.every_steps=10", "checkpoint.keep=5"))
+    return run_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --- exact resume -------------------------------------------------------------------------------
+
+
+def test_stop_and_resume_is_bitwise_equal_in_every_situation(tmp_path):
+    """Mid-epoch, at an epoch boundary, part-way through accumulation, in bf16, with AdamW."""
+    ok(torchrun(WORKERS / "resume_scenarios.py", tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) == {"mid_epoch", "epoch_boundary", "accumulation", "bf16", "adamw"}
+    for name, result in results.items():
+        assert result["equal"], f"{name}: resumed run ended with different weights"
+        assert result["checkpoints"] == [f"step-{result['stopped_at']}"], name
+
+
+def test_rerunning_the_same_command_resumes(reference, tmp_path):
+    stopped = run_job(tmp_path, "training.stop_at_step=20")
+    ok(stopped)
+    assert [c.step for c in CheckpointStore(tmp_path).complete()] == [20]
+    resumed = ok(run_job(tmp_path))
+    assert "resumed from" in resumed.stderr and "step-20" in resumed.stderr
+    assert_same_weights(reference, tmp_path)
+    # metrics.jsonl reads as one run: every step once.
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 40))
+
+
+def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
+    store = CheckpointStore(checkpointed)
+    assert [c.step for c in store.complete()] == [10, 20, 30, 39]
+    meta = json.loads((checkpointed / "checkpoints" / "step-39" / MARKER).read_text())
+    assert meta["world_size"] == 2 and meta["step"] == 39
+    assert {"trainer.json", "rng-rank0.safetensors", "rng-rank1.safetensors", "state/.metadata"} <= set(meta["files"])
+    assert_same_weights(reference, checkpointed)  # checkpointing changes nothing
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(reference, tmp_path):
+    # Rank 1 dies by SIGKILL in its 23rd training forward pass (step 23); checkpoints every 5 steps.
+    result = ok(run_job(tmp_path, "--max-restarts", "1", "checkpoint.every_steps=5",
+                        model_extra=", die_at_forward = 23, die_rank = 1"))
+    assert "resumed from" in result.stderr and "step-20" in result.stderr
+    assert_same_weights(reference, tmp_path)
+
+
+def wait_for(predicate, timeout=TIMEOUT, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+SLOW = ", step_sleep_s = 0.1"  # about 4 s for the 39 steps: long enough to be caught mid-run
+
+
+def start_slow_job(run_dir, *extra, nproc=2):
+    return subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % SLOW, "--nproc", str(nproc),
+                             f"run.dir={run_dir}", *extra], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(reference, tmp_path):
+    proc = start_slow_job(tmp_path)
+    wait_for(lambda: logged_steps(tmp_path) >= 5, what="training to start")
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as SLURM or Kubernetes would
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    complete = CheckpointStore(tmp_path).complete()
+    assert len(complete) == 1 and 5 <= complete[0].step < 39
+    assert f"stopped by SIGTERM at step {complete[0].step}" in err
+    assert not (tmp_path / "model.safetensors").exists()
+    resumed = ok(run_job(tmp_path))  # the same command (without the slow-down)
+    assert f"step-{complete[0].step}" in resumed.stderr
+    assert_same_weights(reference, tmp_path)
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    wide = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=100", "data.input_shape=[1000]",
+            "data.batch_size=8", "model.name=faults:wide_linear", "model.options={width = 30000}",
+            "optimizer.momentum=0", "training.epochs=1", "checkpoint.every_steps=2", "checkpoint.keep=10",
+            f"run.dir={tmp_path}", "--nproc", "1"]  # a 120 MB model: each write takes a while
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *wide], cwd=ROOT, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "checkpoints"
+    partial = lambda: [p for p in root.glob(".partial-*")] if root.exists() else []  # noqa: E731
+    wait_for(lambda: (root / "step-2" / MARKER).exists() and partial() or proc.poll() is not None,
+             what="a checkpoint write after the first one")
+    proc.kill()
+    proc.wait(timeout=TIMEOUT)
+    assert partial(), "the run finished before a write could be interrupted"
+    interrupted = int(partial()[0].name.split("-")[-1])
+    newest = CheckpointStore(tmp_path).newest()
+    assert newest is not None and newest.step < interrupted
+    resumed = dtrain("run", *wide)
+    ok(resumed)
+    assert f"resumed from {newest.path}" in resumed.stderr
+    assert not partial()  # cleaned up
+    assert CheckpointStore(tmp_path).newest().step == 10
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def refused(result, *fragments):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("dtrain: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpointed, reference, tmp_path, damage):
+    run_dir = copy_run(checkpointed, tmp_path / "run")
+    target = run_dir / "checkpoints" / "step-39" / "state" / "__0_0.distcp"
+    data = bytearray(target.read_bytes())
+    if damage == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        target.write_bytes(bytes(data[:-100]))
+    result = run_job(run_dir, "--resume")
+    refused(result, f"checkpoint step-39 is damaged: {target} is {damage}",
+            f"delete {run_dir / 'checkpoints' / 'step-39'} to resume from step-30")
+    # The fix the message gives works: step-30 loads, and the run ends bitwise where it should.
+    shutil.rmtree(run_dir / "checkpoints" / "step-39")
+    resumed = ok(run_job(run_dir, "--resume"))
+    assert "step-30" in resumed.stderr
+    assert_same_weights(reference, run_dir)
+
+
+def test_a_checkpoint_from_another_world_size_is_refused(checkpointed, tmp_path):
+    run_dir = copy_run(checkpointed, tmp_path / "run")
+    refused(run_job(run_dir, "--resume", nproc=1),
+            "checkpoint step-39 was written by 2 processes and this run has 1",
+            "resume with 2 processes")
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused(checkpointed, tmp_path):
+    run_dir = copy_run(checkpointed, tmp_path / "run")
+    refused(dtrain("run", *JOB, "model.options={hidden_size = 48}", "--nproc", "2", f"run.dir={run_dir}", "--resume"),
+            "checkpoint step-39 holds 'net.1.weight' of shape [32, 12] and this run's model has [48, 12]")
+
+
+def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused(checkpointed, tmp_path):
+    refused(run_job(tmp_path / "empty", "--resume"), "holds no complete checkpoint to continue from")
+    assert not (tmp_path / "empty").exists()
+    run_dir = copy_run(checkpointed, tmp_path / "run")
+    refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)",
+            "--resume")
+    # Workers started another way (here plain torchrun) refuse the same, once.
+    from helpers import run as run_command
+
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "dtrain", "run", *JOB, MODEL % "", f"run.dir={run_dir}", "checkpoint.resume=no"],
+                         extra_env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0 and result.stderr.count("already holds checkpoints (newest step-39)") == 1
+
+
+def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):
+    first = start_slow_job(tmp_path)
+    try:
+        wait_for(lambda: logged_steps(tmp_path) >= 5, what="the first run to start")
+        refused(run_job(tmp_path), f"run.dir {tmp_path} is in use by another run (pid")
+        assert first.poll() is None  # the first run is unharmed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=TIMEOUT)
+    assert first.returncode == 75
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path):
+    # ~1.1 MB a checkpoint (weights + momentum): the first fits in 3 MB, the second does not.
+    job = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=200", "data.input_shape=[12]",
+           "model.name=faults:wide_linear", "model.options={width = 9000}", "training.epochs=4",
+           "checkpoint.every_steps=4", "checkpoint.keep=1", "--nproc", "2"]
+    run_dir = small_disk / "run"
+    result = dtrain("run", *job, f"run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.stderr.count("dtrain: error:") == 1 and last.startswith("dtrain: error: could not write checkpoint step-8")
+    assert "No space left on device" in last and "step-4 is intact" in last
+    store = CheckpointStore(run_dir)
+    assert [c.step for c in store.complete()] == [4]
+    assert not list(store.root.glob(".partial-*"))
+    # The surviving checkpoint loads: resume it on a disk with room.
+    moved = copy_run(run_dir, tmp_path / "roomy")
+    resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
+    assert "step-4" in resumed.stderr

@@ -1,0 +1,48 @@
+"""Models a config can name ('faults:...') that fail on purpose, the way real jobs fail."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class DyingMLP(nn.Module):
+    """An MLP with dropout that SIGKILLs its own process at a chosen training forward pass — on one
+    rank, in the first attempt only (torchrun's restart count is 0), as a crashed worker would —
+    and that can be slowed down without changing what it computes."""
+
+    def __init__(self, input_shape, num_classes, hidden_size=64, die_at_forward=0, die_rank=-1,
+                 dropout=0.1, note="", step_sleep_s=0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), hidden_size),
+                                 nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden_size, num_classes))
+        self.die_at = die_at_forward
+        self.die_rank = die_rank
+        self.note = note
+        self.forwards = 0
+        self.step_sleep_s = step_sleep_s  # slows training down (same numbers) so a test can catch it
+
+    def forward(self, x):
+        if self.training:
+            self.forwards += 1
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            rank = int(os.environ.get("RANK", "0"))
+            if first_attempt and rank == self.die_rank and self.forwards == self.die_at:
+                if self.note:
+                    Path(self.note).write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.step_sleep_s)
+        return self.net(x)
+
+
+def dying_mlp(input_shape, num_classes, **options):
+    return DyingMLP(input_shape, num_classes, **options)
+
+
+def wide_linear(input_shape, num_classes, width=4096):
+    """Big enough (width × input features) that writing its checkpoint takes a noticeable while."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width),
+                         nn.Linear(width, num_classes))

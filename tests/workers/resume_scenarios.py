@@ -1,0 +1,80 @@
+"""Run under torchrun with 2 processes: stop at step k, resume, and compare with an unbroken run.
+
+    torchrun --standalone --nproc-per-node 2 resume_scenarios.py OUT_DIR
+
+Each variant trains three times in the same group: uninterrupted, stopped at `stop` (with a
+checkpoint, as `training.stop_at_step` does), and resumed from that checkpoint by a fresh Trainer
+with a fresh model. Rank 0 writes OUT_DIR/results.json: per variant, whether the final weights are
+bitwise equal and where training stood when it resumed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.utils.data import TensorDataset
+
+import dtrain
+from faults import DyingMLP
+
+N_TRAIN, BATCH = 150, 8  # 75 samples per rank: 10 micro-batches an epoch (the last one partial)
+
+VARIANTS = {
+    # name: (config overrides, stop step)
+    "mid_epoch": ({}, 7),
+    "epoch_boundary": ({}, 10),
+    "accumulation": ({"training": {"grad_accum_steps": 3}}, 5),  # 4 steps an epoch (3+3+3+1)
+    "bf16": ({"training": {"precision": "bf16"}}, 13),
+    "adamw": ({"optimizer": {"name": "adamw", "lr": 0.003}}, 6),
+}
+
+
+def config(run_dir: Path, overrides: dict, **training) -> dtrain.Config:
+    raw = {
+        "run": {"dir": str(run_dir), "seed": 3},
+        "data": {"batch_size": BATCH},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "scheduler": {"name": "cosine", "warmup_steps": 3},
+        "training": {"epochs": 3, "log_every": 2, "max_grad_norm": 5.0},
+    }
+    for section, values in overrides.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    raw["training"] = {**raw["training"], **training}
+    return dtrain.Config.from_dict(raw)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(11)
+    return DyingMLP((12,), 3, hidden_size=32, dropout=0.2)  # dropout: the RNG state matters
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_TRAIN, 12, generator=g)
+    data = TensorDataset(x, (x[:, :3].argmax(1)))
+    results = {}
+    for name, (overrides, stop) in VARIANTS.items():
+        dtrain.Trainer(config(out / name / "unbroken", overrides), model=model(), train_data=data).fit()
+        broken = out / name / "broken"
+        first = dtrain.Trainer(config(broken, overrides, stop_at_step=stop), model=model(), train_data=data)
+        first.fit()
+        second = dtrain.Trainer(config(broken, overrides), model=model(), train_data=data)
+        second.fit()
+        w1 = load_file(str(out / name / "unbroken" / "model.safetensors"))
+        w2 = load_file(str(broken / "model.safetensors"))
+        results[name] = {
+            "stopped_at": first.step,
+            "equal": all(torch.equal(w1[k], w2[k]) for k in w1),
+            "checkpoints": sorted(p.name for p in (broken / "checkpoints").iterdir()),
+        }
+    if dist.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
