@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import torchrun_self
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -108,9 +110,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "save_load.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        __file__, "--worker", str(out), "--saves", str(args.saves)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        torchrun_self(__file__, "--worker", str(out), "--saves", str(args.saves))
         cost = json.loads(out.read_text())
         restarts = []
         for i in range(args.restarts):

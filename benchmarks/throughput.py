@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import torchrun_self
 
 VARIANTS = ("dtrain", "plain", "guide", "ceiling")
 N_SAMPLES, BATCH, LR = 60_000, 64, 0.01
@@ -190,14 +190,7 @@ def worker(variant: str, steps: int, out: Path) -> None:
 def measure(variant: str, steps: int, nproc: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        # The same threads for every variant: the cores split among the processes, as dtrain does.
-        threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-        env = {**os.environ, "OMP_NUM_THREADS": threads}
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={nproc}", __file__, "--worker", variant, "--steps",
-                               str(steps), "--out", str(out)], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"{variant} failed:\n{done.stderr}")
+        torchrun_self(__file__, "--worker", variant, "--steps", str(steps), "--out", str(out), nproc=nproc)
         return json.loads(out.read_text())["samples_per_s"]
 
 

@@ -55,48 +55,40 @@ def test_a_group_the_user_made_is_left_alone(shared):
     assert shared[1]["group_alive_after_user_owned_fit"] is True
 
 
-@pytest.mark.parametrize("mode", ["owned", "failing"])
-def test_the_process_group_is_destroyed_on_success_and_on_error(tmp_path, mode):
-    ok(torchrun(WORKERS / "scenarios.py", mode, tmp_path))
+def test_the_process_group_is_destroyed_on_success_and_on_error(tmp_path):
+    ok(torchrun(WORKERS / "scenarios.py", "owned", tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["group_alive"] is False
-    assert results.get("error") == ("loss exploded" if mode == "failing" else None)
+    assert results == {"alive_after_success": False, "error": "loss exploded", "alive_after_error": False}
 
 
-TINY = ["data.name=synthetic", "data.num_samples=313", "data.input_shape=[12]", "data.num_classes=3",
-        "model.hidden_size=32", "optimizer.lr=0.1", "training.epochs=2", "training.log_every=1"]
-
-
-def test_two_ranks_of_b_equal_one_rank_of_2b(tmp_path):
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=8",
-              f"run.dir={tmp_path / 'two'}"))
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "1", *TINY, "data.batch_size=16",
-              f"run.dir={tmp_path / 'one'}"))
-    assert len(train_lines(tmp_path / "two")) == len(train_lines(tmp_path / "one")) == 2 * 16
-    assert_weights_close(weights(tmp_path / "two"), weights(tmp_path / "one"))
-
-
-def test_accumulating_4_micro_batches_equals_one_batch_4_times_larger(tmp_path):
-    # 250 training samples, 125 per rank: the last step holds 13 samples (4+4+4+1 when accumulating).
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=4",
-              "training.grad_accum_steps=4", f"run.dir={tmp_path / 'accum'}"))
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", *TINY, "data.batch_size=16",
-              f"run.dir={tmp_path / 'big'}"))
-    accum, big = train_lines(tmp_path / "accum"), train_lines(tmp_path / "big")
-    assert len(accum) == len(big) == 2 * 8
+def test_accumulating_4_micro_batches_equals_one_batch_4_times_larger(shared):
+    # 102 samples per rank: the last step holds 6 samples (4 + 2 when accumulating).
+    out, _ = shared
+    accum, big = train_lines(out / "accum4"), train_lines(out / "batch16")
+    assert len(accum) == len(big) == 2 * 7
     for a, b in zip(accum, big):
         assert abs(a["loss"] - b["loss"]) < 1e-5
-    assert_weights_close(weights(tmp_path / "accum"), weights(tmp_path / "big"))
+    assert_weights_close(weights(out / "accum4"), weights(out / "batch16"))
 
 
-def test_bf16_autocast_on_cpu_runs_and_learns(tmp_path):
-    result = ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "training.precision=bf16",
-                       "training.epochs=6", "training.max_grad_norm=1.0", f"run.dir={tmp_path}"))
-    lines = train_lines(tmp_path)
-    assert lines[-1]["loss"] < 0.5 * lines[0]["loss"]
-    assert eval_lines(tmp_path)[-1]["eval_accuracy"] > 0.9
+def test_two_ranks_of_b_equal_one_rank_of_2b(shared, tmp_path):
+    """The 2-rank × 8 run happened in the shared launch; the 1-rank × 16 run happens here."""
+    import dtrain
+    from scenarios import config, data, fresh_model
+
+    out, _ = shared
+    one = dtrain.Trainer(config(tmp_path, {"data": {"batch_size": 16}}), model=fresh_model(), train_data=data(200, 0))
+    one.fit()
+    assert len(train_lines(out / "two_ranks")) == len(train_lines(tmp_path)) == 2 * 13
+    assert_weights_close(weights(out / "two_ranks"), weights(tmp_path))
+
+
+def test_bf16_autocast_on_cpu_runs_and_learns(shared):
+    out, results = shared
+    lines = train_lines(out / "bf16")
+    assert lines[-1]["loss"] < 0.6 * lines[0]["loss"]
+    assert results["bf16"]["eval_accuracy"] > 0.7  # chance is 0.25
     assert all(0 < m["grad_norm"] < 1e3 for m in lines)  # clipping on: the norm is logged
-    assert "error" not in result.stderr
 
 
 def test_fp16_on_cpu_is_refused_clearly(tmp_path):
@@ -111,7 +103,7 @@ def test_fp16_on_cpu_is_refused_clearly(tmp_path):
 def test_the_main_job(tmp_path):
     """The README's first command: the guide's MLP on digits, 2 processes, >= 95% held-out accuracy."""
     run_dir = tmp_path / "digits"
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={run_dir}"))
+    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "monitor.flops=yes", f"run.dir={run_dir}"))
 
     final = eval_lines(run_dir)[-1]
     assert final["eval_accuracy"] >= 0.95
@@ -124,11 +116,19 @@ def test_the_main_job(tmp_path):
         assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= m.keys() and m["samples_per_s"] > 0
     assert len(eval_lines(run_dir)) == 20  # every epoch
 
+    # Where each step went: the four phases add up to about the step's wall time (the rest is logging
+    # between steps), every rank's busy time is there, and the FLOP count is the MLP's.
+    for m in lines[1:]:
+        phases = m["data_ms"] + m["compute_ms"] + m["comm_ms"] + m["optimizer_ms"]
+        assert 0.6 * m["step_ms"] <= phases <= 1.05 * m["step_ms"], m
+        assert m["comm_ms"] > 0 and len(m["rank_busy_ms"]) == 2
+        assert m["flops_per_sample"] == 3 * 2 * (64 * 1024 + 1024 * 10) - 2 * 64 * 1024  # no input grad
+
     # The resolved config was written and reads back as the job that ran.
     from dtrain.config import load_config
 
     assert load_config(run_dir / "config.toml") == load_config(ROOT / "examples" / "digits_mlp.toml",
-                                                                [f"run.dir={run_dir}"])
+                                                                ["monitor.flops=yes", f"run.dir={run_dir}"])
 
     # Real TensorBoard event files holding the same numbers.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

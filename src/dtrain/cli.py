@@ -5,6 +5,8 @@
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
+    dtrain doctor [--nproc N ...]                     environment report; all-reduce bandwidth test
+    dtrain report RUN_DIR                             plots and a summary of a run
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
 `python -m dtrain run ...` again in every worker; a worker (torchrun, srun or mpirun set its rank)
@@ -127,7 +129,44 @@ def cmd_config(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "launch": cmd_launch, "config": cmd_config}
+def cmd_doctor(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dtrain doctor", description="Report this machine's distributed set-up and what looks wrong; "
+        "with --nproc, measure a real all-reduce across the group (1 KiB to 256 MiB).")
+    _add_launch_flags(parser)
+    parser.add_argument("--iters", type=int, default=3, help="timed all-reduces per size (default 3)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from . import doctor
+
+    if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:
+        return doctor.bandwidth_worker(args.iters)
+    status = doctor.main_report()
+    if not _explicit_launch(args):
+        return status
+    from .launch import launch
+
+    print(flush=True)
+    return launch(_spec(args), ["-m", "dtrain", "doctor", "--worker", "--iters", str(args.iters)]) or status
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dtrain report",
+                                     description="Plots and a summary of a run, written to RUN_DIR/report/.")
+    parser.add_argument("run_dir", help="a run.dir a dtrain run wrote metrics.jsonl to")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    from .report import write_report
+
+    out = write_report(Path(args.run_dir))
+    print((out / "summary.txt").read_text(), end="")
+    print(f"plots: {', '.join(sorted(p.name for p in out.glob('*.png')))} in {out}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "launch": cmd_launch, "config": cmd_config, "doctor": cmd_doctor,
+            "report": cmd_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 SHM_DIR = "/dev/shm"
 # Each rank's slot holds at most this much of a bucket at a time; larger buckets go through in chunks.
@@ -41,6 +42,7 @@ class SharedMemoryAllReduce:
         self.timeout_s = timeout_s
         self.spin = spin
         self.calls = 0  # buckets averaged (skipped micro-batches make none)
+        self.timer = None  # a StepTimer, when the trainer measures where steps go
         self._parity = 0
         self._generation = 0
         header = world_size * FLAG_STRIDE
@@ -120,9 +122,29 @@ class SharedMemoryAllReduce:
 
 def shared_memory_hook(state: SharedMemoryAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through shared memory (synchronously) and hand it back."""
+    timer = state.timer
+    if timer is not None:
+        timer.progress.at("gradient all-reduce")
+    start = time.perf_counter()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(state.average(bucket.buffer()))
+    if timer is not None:
+        timer.comm_blocked(time.perf_counter() - start)
     return future
+
+
+class TimedAllReduce:
+    """State of `timed_allreduce_hook`: DDP's own all-reduce, with each bucket's launch noted."""
+
+    def __init__(self, timer):
+        self.timer = timer
+
+
+def timed_allreduce_hook(state: TimedAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce (average over the default group), noting when each bucket is
+    launched so the step timer can tell how long backward then waited for communication."""
+    state.timer.comm_launched()
+    return default_hooks.allreduce_hook(None, bucket)
 
 
 def _alive(pid: int) -> bool:

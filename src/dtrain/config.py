@@ -52,6 +52,9 @@ class DistributedConfig:
                                "tcp://host:port or file:///shared/path.")
     timeout_s: float = setting(1800.0, "Seconds a collective may wait before the backend gives up.",
                                above=0)
+    hang_timeout_s: float = setting(300.0, "Seconds without any rank finishing a step before every rank "
+                                    "writes its Python stacks to run.dir/diagnostics and the job ends "
+                                    "naming the ranks behind (0: off). Keep it below timeout_s.", min=0)
     bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", above=0)
     gradient_as_bucket_view: bool = setting(True, "Let gradients alias DDP's buckets (saves a copy "
                                             "and memory).")
@@ -135,6 +138,27 @@ class TrainingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    breakdown: bool = setting(True, "Split every step into data wait, forward+backward, gradient "
+                              "communication and optimizer (no host sync: CUDA events on GPUs) and "
+                              "compare ranks at each log step.")
+    straggler_margin: float = setting(0.25, "Name a rank whose busy time per step exceeds the median by "
+                                      "this share.", above=0)
+    peak_tflops: float = setting(0.0, "Peak TFLOP/s of one device for MFU (0: known GPUs only).", min=0)
+    flops: Literal["auto", "yes", "no"] = setting(
+        "auto", "Count model FLOPs per sample once with torch's FLOP counter (about 2 s at start-up): "
+        "auto does it where MFU can be reported (a known GPU, or monitor.peak_tflops set).")
+    debug: bool = setting(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's shapes "
+                          "across ranks (slower; for finding desyncs).")
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = setting("", "Optimizer steps to trace with torch.profiler, e.g. \"20-25\"; one trace "
+                         "per rank under run.dir/profile (Perfetto, TensorBoard). Empty: off.")
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = setting(0, "Write a checkpoint every this many optimizer steps and at the end "
                                "(0: only on SIGTERM or training.stop_at_step).", min=0)
@@ -157,6 +181,8 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> "Config":
@@ -256,9 +282,26 @@ def validate(config: Config) -> None:
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           f"[0, 1), e.g. [0.9, 0.999]")
+    hang, timeout = config.distributed.hang_timeout_s, config.distributed.timeout_s
+    if hang and hang >= timeout:
+        raise ConfigError(f"distributed.hang_timeout_s = {hang:g} must be below distributed.timeout_s = "
+                          f"{timeout:g}, or the backend gives up first and the hang goes unexplained")
+    if config.profile.steps and profile_range(config.profile.steps) is None:
+        raise ConfigError(f"profile.steps = '{config.profile.steps}' is not a step range; write it like "
+                          f"\"20-25\" (first and last optimizer step, from 1)")
     if not config.data.input_shape or any(d < 1 for d in config.data.input_shape):
         raise ConfigError(f"data.input_shape = {config.data.input_shape} must be a list of "
                           f"positive sizes, e.g. [1, 28, 28]")
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """'20-25' -> (20, 25); '7' -> (7, 7); None when malformed."""
+    first, _, last = text.strip().partition("-")
+    last = last or first
+    if not (first.strip().isdigit() and last.strip().isdigit()):
+        return None
+    a, b = int(first), int(last)
+    return (a, b) if 1 <= a <= b else None
 
 
 def _is_factory_ref(value: str) -> bool:

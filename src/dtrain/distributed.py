@@ -13,6 +13,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
@@ -202,8 +203,15 @@ class Session:
         return self.env.rank == 0
 
 
-def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Session:
-    """Join (or create) the process group for this worker and bind its device and threads."""
+def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *, debug: bool = False,
+          diagnostics_dir: Path | None = None) -> Session:
+    """Join (or create) the process group for this worker and bind its device and threads.
+
+    `debug` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL (collectives checked across ranks); with nccl the
+    flight recorder keeps the last collectives and dumps them under `diagnostics_dir` on a timeout.
+    """
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if dist.is_available() and dist.is_initialized():
         env = _env_from_group(detect_env(environ))
         backend = dist.get_backend()
@@ -219,6 +227,12 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ) ->
     if env.world_size == 1:
         return Session(env, backend, device, owns_group=False)
 
+    if backend == "nccl":
+        for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+            os.environ.setdefault(name, value)
+        if diagnostics_dir is not None:
+            diagnostics_dir.mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(diagnostics_dir / "nccl-trace-rank-"))
     init_method = config.init_method
     if init_method == "env://":
         # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
@@ -245,9 +259,9 @@ def stop(session: Session) -> None:
 
 
 @contextlib.contextmanager
-def session(config: DistributedConfig) -> Iterator[Session]:
+def session(config: DistributedConfig, **options) -> Iterator[Session]:
     """`with session(cfg.distributed) as s:` — the group is destroyed on success and on error."""
-    s = start(config)
+    s = start(config, **options)
     try:
         yield s
     finally:
@@ -288,6 +302,17 @@ def first_error(error: str | None) -> str | None:
     dist.all_gather_object(errors, error)
     _let_gloo_release_python_objects()
     return next((e for e in errors if e is not None), None)
+
+
+def hostnames() -> list[str]:
+    """Every rank's host name, by rank (a collective)."""
+    me = socket.gethostname()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [me]
+    names: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(names, me)
+    _let_gloo_release_python_objects()
+    return names
 
 
 def from_rank0(value):

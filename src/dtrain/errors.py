@@ -33,3 +33,7 @@ class Preempted(Exception):
     """The run stopped on SIGTERM after writing a checkpoint; rerunning the same command resumes."""
 
     exit_code = EXIT_REQUEUE
+
+
+# Exit status of a run the hang watchdog ended (as `timeout` reports it).
+EXIT_HANG = 124

@@ -37,7 +37,8 @@ def preflight(config: Config, world_size: int, local_world_size: int) -> None:
 
 def run(config: Config) -> dict[str, Any]:
     """Train the job in this process, as one worker of however many the environment says."""
-    with distributed.session(config.distributed) as session:
+    with distributed.session(config.distributed, debug=config.monitor.debug,
+                             diagnostics_dir=Path(config.run.dir) / "diagnostics") as session:
         if config.data.download and session.env.local_rank == 0:
             data.prepare(config)
         distributed.barrier()

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from . import distributed, netaddr
-from .errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
+from .errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 from .job import LAUNCHED_BY_DTRAIN
 
 
@@ -134,13 +134,14 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
 
 
 def _report_failure(exc) -> int:
-    """Print the first failure once: a bad-input line as is, a crash with its rank and traceback."""
+    """Print the first failure once: a bad-input or hang line as it is, a crash with its rank and
+    traceback."""
     rank, failure = exc.get_first_failure()
-    codes = {f.exitcode for f in exc.failures.values()}
-    if failure.exitcode == EXIT_USAGE or EXIT_USAGE in codes:
-        usage = next(f for f in exc.failures.values() if f.exitcode == EXIT_USAGE)
-        print(f"dtrain: error: {usage.message}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+    for code in (EXIT_USAGE, EXIT_HANG):  # already one line meant for people: print it as it is
+        said = next((f for f in exc.failures.values() if f.exitcode == code), None)
+        if said is not None:
+            print(f"dtrain: error: {said.message}", file=sys.stderr, flush=True)
+            return code
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
     else:

@@ -20,6 +20,12 @@ TB_TAGS = {
     "samples_per_s": "train/samples_per_s",
     "eval_loss": "eval/loss",
     "eval_accuracy": "eval/accuracy",
+    "step_ms": "time/step_ms",
+    "data_ms": "time/data_ms",
+    "compute_ms": "time/compute_ms",
+    "comm_ms": "time/comm_ms",
+    "optimizer_ms": "time/optimizer_ms",
+    "mfu": "perf/mfu",
 }
 
 
@@ -27,6 +33,7 @@ class Monitor:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int = 0,
                  progress_bar: bool | None = None, purge_after: int | None = None):
         self.enabled = enabled
+        self._stragglers: tuple = ()
         self._bar = None
         self._writer = None
         self._metrics = None
@@ -59,6 +66,8 @@ class Monitor:
         for key, tag in TB_TAGS.items():
             if record.get(key) is not None:
                 self._writer.add_scalar(tag, record[key], step)
+        for rank, ms in enumerate(record.get("rank_busy_ms", [])):
+            self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         line = format_record(record)
@@ -66,6 +75,13 @@ class Monitor:
             self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress
         else:
             self.info(line)
+        slow = tuple((s["rank"], s["host"]) for s in record.get("stragglers", ()))
+        if slow != self._stragglers and "loss" in record:
+            self._stragglers = slow
+            for s in record.get("stragglers", ()):
+                self.info(f"straggler: rank {s['rank']} on {s['host']} is {s['slower']:.0%} slower than the "
+                          f"median rank (busy {record['rank_busy_ms'][s['rank']]:.1f} ms per step, "
+                          f"waiting excluded)")
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -93,6 +109,8 @@ CONSOLE_FORMATS = [
     ("lr", "lr {:.3g}"),
     ("grad_norm", "grad_norm {:.3g}"),
     ("samples_per_s", "{:,.0f} samples/s"),
+    ("step_ms", "step {:.1f} ms"),
+    ("mfu", "MFU {:.1%}"),
     ("eval_loss", "eval_loss {:.4f}"),
     ("eval_accuracy", "eval_accuracy {:.2%}"),
 ]
@@ -100,5 +118,10 @@ CONSOLE_FORMATS = [
 
 def format_record(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}", f"epoch {record['epoch']}"]
-    parts += [fmt.format(record[key]) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
+    for key, fmt in CONSOLE_FORMATS:
+        if record.get(key) is not None:
+            parts.append(fmt.format(record[key]))
+            if key == "step_ms":  # where the step went
+                parts[-1] += " = " + " + ".join(f"{name} {record[f'{name}_ms']:.1f}"
+                                                for name in ("data", "compute", "comm", "optimizer"))
     return " | ".join(parts)

@@ -18,17 +18,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from . import distributed
+from . import distributed, perf
 from .amp import precision_for
 from .checkpoint import (Checkpointer, Parts, Position, RunDirLock, atomic_write_text, save_final_weights,
                          truncate_metrics)
-from .comm import SharedMemoryAllReduce, shared_memory_hook
-from .config import Config
+from .comm import SharedMemoryAllReduce, TimedAllReduce, shared_memory_hook, timed_allreduce_hook
+from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TrainBatches
 from .errors import DataError, DtrainError, Preempted
+from .metrics import StepMetrics
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
+from .steptime import StepTimer
+from .watchdog import HangWatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,7 +69,8 @@ class Trainer:
         """
         if self.session is not None:
             return
-        self.session = distributed.start(self.config.distributed)
+        self.session = distributed.start(self.config.distributed, debug=self.config.monitor.debug,
+                                         diagnostics_dir=self.run_dir / "diagnostics")
         self._lock = RunDirLock(self.run_dir)
         try:
             self._build()
@@ -92,22 +96,28 @@ class Trainer:
                             f"data.batch_size or set data.drop_last=false")
 
         self.module.to(device)
+        self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         if session.world_size > 1:
-            dc = cfg.distributed
-            self.model = DDP(self.module, device_ids=[device.index] if device.type == "cuda" else None,
-                             bucket_cap_mb=dc.bucket_cap_mb,
-                             gradient_as_bucket_view=dc.gradient_as_bucket_view,
-                             static_graph=dc.static_graph, find_unused_parameters=dc.find_unused_parameters)
+            self.model = self._wrap_ddp()
             self.shared_memory = self._share_gradients_in_memory()
+            if self.shared_memory is not None:
+                self.shared_memory.timer = self.timer
+            elif cfg.monitor.breakdown:
+                self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
         else:
             self.model = self.module
         self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters())
         self.total_steps = self._planned_steps()
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
-
-        self._loss_sum = torch.zeros((), device=device)  # read on the host only at log steps
-        self._norm_sum = torch.zeros((), device=device)
-        self._window = _Window()
+        peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops)
+        count = cfg.monitor.flops == "yes" or (cfg.monitor.flops == "auto" and peak is not None)
+        self.metrics = StepMetrics(
+            device, session.world_size, self.timer, hosts=distributed.hostnames(),
+            flops_per_sample=self._count_flops() if count else None, peak_flops=peak,
+            straggler_margin=cfg.monitor.straggler_margin)
+        self._profile_steps = profile_range(cfg.profile.steps) if cfg.profile.steps else None
+        self._profiler = None
+        self._unused_checked = False
 
         self._take_run_dir()
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, Parts(
@@ -131,6 +141,28 @@ class Trainer:
         if resume_from is not None:
             self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
                               f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
+        self.timer.progress.step = self.step
+        self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
+                               session.world_size, self.run_dir)
+
+    def _wrap_ddp(self) -> nn.Module:
+        dc, device = self.config.distributed, self.session.device
+        try:
+            return DDP(self.module, device_ids=[device.index] if device.type == "cuda" else None,
+                       bucket_cap_mb=dc.bucket_cap_mb, gradient_as_bucket_view=dc.gradient_as_bucket_view,
+                       static_graph=dc.static_graph, find_unused_parameters=dc.find_unused_parameters)
+        except RuntimeError as exc:
+            # DDP compares every parameter's shape across ranks before it starts.
+            first_line = str(exc).strip().splitlines()[0]
+            raise DtrainError(f"the model differs between ranks ({first_line}); build the same model on "
+                              f"every rank: seed before building it and keep its shape independent of "
+                              f"the rank") from None
+
+    def _count_flops(self) -> float | None:
+        """Training FLOPs per sample, counted once on a meta-device copy of one micro-batch."""
+        micro = next(iter(self.train_batches.epoch(0)))[0]
+        inputs, target = micro
+        return perf.flops_per_sample(self.module, inputs, len(target))
 
     def _take_run_dir(self) -> None:
         """Rank 0 locks run.dir for the life of the run: two live runs must never share it."""
@@ -173,11 +205,21 @@ class Trainer:
         last: dict[str, Any] = {}
         stop = StopRequest()
         stop.install()
+        self.watch.start()
+        distributed.barrier()  # rank 0's extra set-up (TensorBoard, files) must not count as others' waiting
+        self.metrics.restart()
         try:
             self.model.train()
             while self.step < self.total_steps:
                 start = self.step - self.epoch * self.train_batches.steps_per_epoch
-                for micro_batches in self.train_batches.epoch(self.epoch, start_step=start):
+                batches = iter(self.train_batches.epoch(self.epoch, start_step=start))
+                while True:
+                    self._profile()
+                    self.timer.start()
+                    micro_batches = next(batches, None)
+                    if micro_batches is None:
+                        break
+                    self.timer.data_ready()
                     self._train_step(micro_batches)
                     self.step += 1
                     self.monitor.advance()
@@ -212,7 +254,11 @@ class Trainer:
             if self.session.is_main:
                 save_final_weights(self.module, self.run_dir / "model.safetensors")
             distributed.barrier()
+        except torch.cuda.OutOfMemoryError:
+            raise self._out_of_memory() from None
         finally:
+            self.watch.stop()
+            self._stop_profiler()
             stop.uninstall()
             self.monitor.close()
             self._lock.release()
@@ -224,10 +270,48 @@ class Trainer:
         return bool(every) and self.step % every == 0 and self.step < self.total_steps
 
     def _save_checkpoint(self) -> None:
-        self._window.pause()
+        self.metrics.pause()
+        self.timer.progress.at("checkpoint")
         checkpoint = self.checkpointer.save(Position(self.step, self.epoch))
-        self._window.resume()
+        self.metrics.resume()
         self.monitor.info(f"checkpoint {checkpoint.name} written")
+
+    def _out_of_memory(self) -> DtrainError:
+        cfg = self.config
+        batch, accum = cfg.data.batch_size, cfg.training.grad_accum_steps
+        levers = [f"data.batch_size={max(1, batch // 2)} training.grad_accum_steps={accum * 2} (the same "
+                  f"effective batch)" if batch > 1 else "a smaller model"]
+        if cfg.training.precision == "fp32":
+            levers.append("training.precision=bf16")
+        return DtrainError(f"out of GPU memory at step {self.step + 1} on rank {self.session.rank} with "
+                           f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
+                           f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
+
+    def _profile(self) -> None:
+        """Start the profiler before the first step of `profile.steps`, stop it after the last."""
+        if self._profile_steps is None:
+            return
+        first, last = self._profile_steps
+        next_step = self.step + 1
+        if self._profiler is None and first <= next_step <= last:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.session.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+        elif self._profiler is not None and next_step > last:
+            self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        out = self.run_dir / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        # A Chrome trace: opens in Perfetto, and in TensorBoard's profiler (tensorboard --logdir profile).
+        self._profiler.export_chrome_trace(str(out / f"rank-{self.session.rank}.pt.trace.json"))
+        self._profiler = None
+        self._profile_steps = None
 
     def _train_step(self, micro_batches: list[tuple[Any, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
@@ -245,17 +329,34 @@ class Trainer:
                 # Weight by samples, so the update equals one batch of all n_step samples.
                 loss = loss * (len(target) / n_step)
             scaler.scale(loss).backward()
-            self._loss_sum += loss.detach()
+            self.metrics.loss_sum += loss.detach()
+        self.timer.backward_done()
+        if not self._unused_checked:
+            self._check_every_parameter_got_a_gradient()
         if self.config.training.max_grad_norm > 0:
             scaler.unscale_(optimizer)
-            self._norm_sum += nn.utils.clip_grad_norm_(self.module.parameters(),
-                                                       self.config.training.max_grad_norm)
+            self.metrics.norm_sum += nn.utils.clip_grad_norm_(self.module.parameters(),
+                                                              self.config.training.max_grad_norm)
         self._lr = optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self._window.add(n_step)
+        self.timer.step_done()
+        self.metrics.step_done(n_step)
+
+    def _check_every_parameter_got_a_gradient(self) -> None:
+        """After the first backward: a parameter the forward pass never used leaves DDP waiting for its
+        gradient forever (or failing a step later with a message about reductions). Say what to do."""
+        self._unused_checked = True
+        if self.model is self.module or self.config.distributed.find_unused_parameters:
+            return
+        unused = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise DtrainError(f"the forward pass did not use these parameters: {shown}; DDP needs a gradient "
+                              f"for every parameter: set distributed.find_unused_parameters=true, or drop "
+                              f"them from the model (or set requires_grad=False)")
 
     # --- evaluation -----------------------------------------------------------------------------
 
@@ -272,6 +373,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.session.device)
         classify = True
         for inputs, target in self.eval_batches:
+            self.timer.progress.at("evaluation")
             with self.precision.autocast():
                 output = _forward(module, inputs)
                 loss = self.loss_fn(output, target)
@@ -298,65 +400,21 @@ class Trainer:
     # --- logging --------------------------------------------------------------------------------
 
     def _log_train(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
-        """Reduce the window's device accumulators across ranks and read them: the only host sync.
-
-        The same all-reduce carries each rank's stop request, so the group agrees to stop together.
-        Returns the record and whether any rank asked to stop.
-        """
-        stop = torch.tensor(float(stop_requested), device=self._loss_sum.device)
-        sums = distributed.all_reduce_sum(torch.stack([self._loss_sum, self._norm_sum, stop]))
-        per_step = self._window.steps * self.session.world_size
-        loss, grad_norm, stops = (sums / torch.tensor([per_step, per_step, 1], device=sums.device)).tolist()
-        self._loss_sum.zero_()
-        self._norm_sum.zero_()
-        samples, seconds = self._window.take()
-        record = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "time": time.time(),
-            "loss": loss,
-            "lr": self._lr,
-            "samples_per_s": samples * self.session.world_size / seconds,
-        }
-        if self.config.training.max_grad_norm > 0:
-            record["grad_norm"] = grad_norm
+        """Gather the window from every rank (the only host sync) and log it. The same gather carries
+        each rank's stop request, so the group agrees to stop together."""
+        stats, stop = self.metrics.take(stop_requested)
+        record = {"step": self.step, "epoch": self.epoch, "time": time.time(), "lr": self._lr, **stats}
+        if self.config.training.max_grad_norm <= 0:
+            record.pop("grad_norm")
         self.monitor.log(record)
-        return record, stops > 0
+        return record, stop
 
     def _log_eval(self) -> dict[str, Any]:
-        self._window.pause()
+        self.metrics.pause()
         record = {"step": self.step, "epoch": self.epoch, "time": time.time(), **self.evaluate()}
         self.monitor.log(record)
-        self._window.resume()
+        self.metrics.resume()
         return record
-
-
-class _Window:
-    """Samples and wall time since the last log line (eval time excluded)."""
-
-    def __init__(self):
-        self.steps = 0
-        self.samples = 0
-        self._start = time.perf_counter()
-        self._paused_at: float | None = None
-
-    def add(self, samples: int) -> None:
-        self.steps += 1
-        self.samples += samples
-
-    def take(self) -> tuple[int, float]:
-        now = time.perf_counter()
-        result = (self.samples, max(now - self._start, 1e-9))
-        self.steps, self.samples, self._start = 0, 0, now
-        return result
-
-    def pause(self) -> None:
-        self._paused_at = time.perf_counter()
-
-    def resume(self) -> None:
-        if self._paused_at is not None:
-            self._start += time.perf_counter() - self._paused_at
-            self._paused_at = None
 
 
 def _forward(model: nn.Module, inputs: Any) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Run under torchrun with 2 processes: dtrain's Trainer against a plain hand-written DDP loop.
+"""Run under torchrun with 2 processes: dtrain's Trainer against a plain hand-written DDP loop, and
+the recipe's promises one by one.
 
-    torchrun --standalone --nproc-per-node 2 scenarios.py shared|owned|failing OUT_DIR
+    torchrun --standalone --nproc-per-node 2 scenarios.py shared|owned OUT_DIR
 
-Rank 0 writes OUT_DIR/results.json; the tests assert on it. One launch serves several tests because
-starting processes is the slow part on 2 cores.
+Rank 0 writes OUT_DIR/results.json; the tests assert on it and on the run folders. One launch serves
+several tests because starting processes is the slow part on 2 cores.
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def config(run_dir: Path, distributed: dict | None = None, **training) -> dtrain.Config:
-    return dtrain.Config.from_dict({
+def config(run_dir: Path, sections: dict | None = None, **training) -> dtrain.Config:
+    raw = {
         "run": {"dir": str(run_dir), "seed": SEED},
-        "distributed": distributed or {},
         "data": {"batch_size": BATCH},
         "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
         "training": {"epochs": EPOCHS, "log_every": 1, **training},
-    })
+    }
+    for section, values in (sections or {}).items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return dtrain.Config.from_dict(raw)
 
 
 def fresh_model() -> torch.nn.Module:
@@ -84,18 +87,17 @@ class MapStyle(Dataset):
         return self.x[i], self.y[i]
 
 
-def main(out: Path) -> None:
+def shared(out: Path) -> None:
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     train, held_out = data(N_TRAIN, 0), data(101, 1)  # 101: odd, so ranks evaluate 51 and 50
     results: dict = {}
 
-    # Parity: same per-step losses as the plain loop.
+    # Parity: same per-step losses as the plain loop (also the run whose step breakdown is checked).
     results["plain_losses"] = plain_ddp_losses(train)
-    trainer = dtrain.Trainer(config(out / "parity"), model=fresh_model(), train_data=train,
-                             eval_data=held_out)
+    trainer = dtrain.Trainer(config(out / "parity"), model=fresh_model(), train_data=train, eval_data=held_out)
     trainer.fit()
     results["group_alive_after_user_owned_fit"] = dist.is_initialized()
+    results["parity_used_shared_memory"] = trainer.shared_memory is not None
 
     # Exact eval: the 2-rank figure equals one process evaluating everything.
     results["eval_2_ranks"] = trainer.evaluate()
@@ -109,10 +111,11 @@ def main(out: Path) -> None:
     # The DataLoader path (map-style data set) takes the very same steps.
     dtrain.Trainer(config(out / "loader"), model=fresh_model(), train_data=MapStyle(train)).fit()
 
-    # No all-reduce on skipped micro-batches: count DDP's communication calls.
-    # One bucket, so DDP makes one call per synced backward; DDP's own all-reduce, to count it.
-    one_bucket = {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False}
-    counted = dtrain.Trainer(config(out / "accum", one_bucket, grad_accum_steps=4, max_steps=3),
+    # No all-reduce on skipped micro-batches: count DDP's communication calls with our own hook
+    # (one bucket, DDP's own all-reduce, dtrain's timing hook off so ours can be registered).
+    own_hook = {"distributed": {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False},
+                "monitor": {"breakdown": False}}
+    counted = dtrain.Trainer(config(out / "accum", own_hook, grad_accum_steps=4, max_steps=3),
                              model=fresh_model(), train_data=train)
     counted.setup()
     calls = {"n": 0}
@@ -126,42 +129,53 @@ def main(out: Path) -> None:
     results["allreduce_calls"] = calls["n"]
     results["accum_steps"] = counted.step
     # The same through dtrain's shared-memory averaging, which counts the buckets it averages.
-    shared = dtrain.Trainer(config(out / "accum_shm", {"bucket_cap_mb": 1000.0}, grad_accum_steps=4,
-                                   max_steps=3), model=fresh_model(), train_data=train)
-    shared.fit()
-    results["shared_memory_calls"] = shared.shared_memory.calls
-    results["parity_used_shared_memory"] = trainer.shared_memory is not None
+    shm = dtrain.Trainer(config(out / "accum_shm", {"distributed": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4,
+                                max_steps=3), model=fresh_model(), train_data=train)
+    shm.fit()
+    results["shared_memory_calls"] = shm.shared_memory.calls
+
+    # Accumulating 4 micro-batches of b equals one batch of 4b (203 samples: a partial last step).
+    small = {"data": {"batch_size": 4}}
+    dtrain.Trainer(config(out / "accum4", small, grad_accum_steps=4), model=fresh_model(), train_data=train).fit()
+    dtrain.Trainer(config(out / "batch16"), model=fresh_model(), train_data=train).fit()
+
+    # DDP equivalence: 2 ranks × batch 8 (the 1 rank × 16 side runs in the test process).
+    dtrain.Trainer(config(out / "two_ranks", {"data": {"batch_size": 8}}), model=fresh_model(),
+                   train_data=data(200, 0)).fit()
+
+    # bf16 autocast on the CPU runs and learns, with clipping (its norm logged).
+    bf16 = dtrain.Trainer(config(out / "bf16", {"optimizer": {"lr": 0.05}}, epochs=8, precision="bf16",
+                                 max_grad_norm=1.0, log_every=5),
+                          model=fresh_model(), train_data=data(800, 2), eval_data=data(200, 3))
+    results["bf16"] = bf16.fit()
     results["threads"] = torch.get_num_threads()
 
+    if dist.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
-    if rank == 0:
-        (out / "results.json").write_text(json.dumps(results))
 
-
-def owned(out: Path, fail: bool) -> None:
-    """A Trainer that creates the process group destroys it, on success and on error.
-
-    (Separate launches: re-creating a group inside one torchrun worker can race on stale store keys.)
-    """
+def owned(out: Path) -> None:
+    """A Trainer that creates the process group destroys it, on success and on error."""
     results: dict = {}
+    dtrain.Trainer(config(out / "owned", max_steps=2), model=fresh_model(), train_data=data(N_TRAIN, 0)).fit()
+    results["alive_after_success"] = dist.is_initialized()
 
     def failing_loss(output, target):
         raise RuntimeError("loss exploded")
 
+    # A second group in the same processes: a fresh file:// rendezvous, so no stale store keys.
+    second = {"distributed": {"init_method": f"file://{out / 'rendezvous'}"}}
     try:
-        dtrain.Trainer(config(out / "owned", max_steps=2), model=fresh_model(), train_data=data(N_TRAIN, 0),
-                       loss_fn=failing_loss if fail else None).fit()
+        dtrain.Trainer(config(out / "failing", second, max_steps=2), model=fresh_model(),
+                       train_data=data(N_TRAIN, 0), loss_fn=failing_loss).fit()
     except RuntimeError as exc:
         results["error"] = str(exc)
-    results["group_alive"] = dist.is_initialized()
+    results["alive_after_error"] = dist.is_initialized()
     if os.environ["RANK"] == "0":
         (out / "results.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
-    if mode == "shared":
-        main(out_dir)
-    else:
-        owned(out_dir, fail=mode == "failing")
+    {"shared": shared, "owned": owned}[mode](out_dir)

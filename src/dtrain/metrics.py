@@ -1,0 +1,108 @@
+"""The numbers behind each logged line, gathered from every rank in one collective.
+
+During the window between log steps the training step only adds to two device scalars (loss, gradient
+norm) and counts samples on the host; the step timer keeps its marks. At a log step `StepMetrics.take`
+gathers one small vector from every rank — loss and norm sums, the rank's stop request, its time split
+— and turns it into the record: global samples/s, the step-time breakdown, MFU, per-rank busy time and
+the ranks that straggle. That gather is the only place the host waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .perf import stragglers
+from .steptime import PHASES, StepTimer
+
+
+class StepMetrics:
+    def __init__(self, device: torch.device, world_size: int, timer: StepTimer, hosts: list[str],
+                 flops_per_sample: float | None, peak_flops: float | None, straggler_margin: float):
+        self.loss_sum = torch.zeros((), device=device)  # added to every step, read only here
+        self.norm_sum = torch.zeros((), device=device)
+        self.device = device
+        self.world_size = world_size
+        self.timer = timer
+        self.hosts = hosts
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_flops
+        self.margin = straggler_margin
+        self._steps = 0
+        self._samples = 0
+        self._start = time.perf_counter()
+        self._paused_at: float | None = None
+        self._windows = 0
+
+    def restart(self) -> None:
+        """Start the window afresh (set-up time is not training time)."""
+        self._steps, self._samples, self._start = 0, 0, time.perf_counter()
+
+    def step_done(self, samples: int) -> None:
+        self._steps += 1
+        self._samples += samples
+
+    def pause(self) -> None:
+        """Evaluation and checkpoints do not count as training time."""
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._start += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def take(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+        """The window's record (every rank gets the same) and whether any rank asked to stop."""
+        phases = self.timer.take() if self.timer.enabled else None
+        local = torch.tensor([0.0, 0.0, float(stop_requested), *(phases[p] for p in PHASES)] if phases
+                             else [0.0, 0.0, float(stop_requested)], dtype=torch.float64, device=self.device)
+        local[0] += self.loss_sum.double()
+        local[1] += self.norm_sum.double()
+        rows = _gather(local, self.world_size).tolist()  # the one host sync of the window
+        self.loss_sum.zero_()
+        self.norm_sum.zero_()
+
+        now = time.perf_counter()
+        seconds = max(now - self._start, 1e-9)
+        per_step = max(self._steps, 1) * self.world_size
+        samples_per_s = self._samples * self.world_size / seconds
+        record: dict[str, Any] = {
+            "loss": sum(r[0] for r in rows) / per_step,
+            "grad_norm": sum(r[1] for r in rows) / per_step,
+            "samples_per_s": samples_per_s,
+        }
+        stop = any(r[2] > 0 for r in rows)
+        if phases is not None:
+            record.update(self._breakdown(rows, seconds))
+        self._windows += 1
+        if self.flops_per_sample is not None:
+            record["flops_per_sample"] = self.flops_per_sample
+            if self.peak_flops:
+                record["mfu"] = self.flops_per_sample * samples_per_s / (self.world_size * self.peak_flops)
+        self._steps, self._samples, self._start = 0, 0, now
+        return record, stop
+
+    def _breakdown(self, rows: list[list[float]], seconds: float) -> dict[str, Any]:
+        means = {p: sum(r[3 + i] for r in rows) / len(rows) for i, p in enumerate(PHASES)}
+        busy = [r[3] + r[4] + r[6] for r in rows]  # data + compute + optimizer: not waiting on others
+        # The first window holds one-off warm-up work (kernel selection, allocator growth): not judged.
+        slow = stragglers(busy, self.margin) if self._windows > 0 else []
+        out: dict[str, Any] = {
+            "step_ms": 1000 * seconds / max(self._steps, 1),
+            **{f"{p}_ms": ms for p, ms in means.items()},
+            "rank_busy_ms": busy,
+        }
+        if slow:
+            out["stragglers"] = [{"rank": r, "host": self.hosts[r], "slower": share} for r, share in slow]
+        return out
+
+
+def _gather(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size == 1 or not dist.is_initialized():
+        return local.unsqueeze(0)
+    rows = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(rows, local)
+    return torch.stack(rows)

@@ -1,0 +1,138 @@
+"""`dtrain report RUN_DIR`: a run's metrics.jsonl as plots and a short summary, in RUN_DIR/report/.
+
+    loss.png         training loss, eval loss and eval accuracy per step
+    throughput.png   samples/s per logged step
+    step_time.png    where each step's time went: data, compute, communication, optimizer (stacked)
+    ranks.png        every rank's busy time per step (a straggler stands out)
+    summary.txt      final metrics, mean throughput, communication share, stragglers seen
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .errors import DtrainError
+
+PHASES = ("data", "compute", "comm", "optimizer")
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise DtrainError(f"{path} does not exist; pass a run.dir that a dtrain run wrote to")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by an interrupted run
+    if not any("loss" in r for r in records):
+        raise DtrainError(f"{path} holds no training steps yet; nothing to report")
+    return records
+
+
+def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's matplotlib figures, by file stem (only those the records have data for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    figures = {}
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if any("eval_accuracy" in r for r in evals):
+        acc = ax.twinx()
+        points = [r for r in evals if "eval_accuracy" in r]
+        acc.plot([r["step"] for r in points], [r["eval_accuracy"] for r in points], "s--", color="tab:green",
+                 label="eval accuracy")
+        acc.set_ylabel("eval accuracy")
+        acc.set_ylim(0, 1)
+        acc.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.set_title("loss and accuracy")
+    figures["loss"] = fig
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in train], [r["samples_per_s"] for r in train])
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title("throughput")
+    figures["throughput"] = fig
+
+    timed = [r for r in train if "step_ms" in r]
+    if timed:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        ax.stackplot([r["step"] for r in timed], *[[r[f"{p}_ms"] for r in timed] for p in PHASES],
+                     labels=PHASES)
+        ax.plot([r["step"] for r in timed], [r["step_ms"] for r in timed], "k--", label="step (wall)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("ms per step")
+        ax.legend(loc="upper right")
+        ax.set_title("where each step's time went (mean over ranks)")
+        figures["step_time"] = fig
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for rank in range(len(timed[-1]["rank_busy_ms"])):
+            ax.plot([r["step"] for r in timed], [r["rank_busy_ms"][rank] for r in timed], label=f"rank {rank}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("busy ms per step (waiting excluded)")
+        ax.legend(loc="upper right")
+        ax.set_title("per-rank step time")
+        figures["ranks"] = fig
+    return figures
+
+
+def summary(records: list[dict[str, Any]]) -> str:
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    steady = train[1:] or train  # the first window holds warm-up
+    lines = [f"steps: {train[-1]['step']} (epoch {train[-1]['epoch']})",
+             f"final training loss: {train[-1]['loss']:.4f}"]
+    if evals:
+        last = evals[-1]
+        lines.append(f"final eval loss: {last['eval_loss']:.4f}" + (
+            f", eval accuracy: {last['eval_accuracy']:.2%}" if "eval_accuracy" in last else ""))
+    lines.append(f"mean throughput: {statistics.mean(r['samples_per_s'] for r in steady):,.0f} samples/s "
+                 f"(first logged window left out: warm-up)")
+    timed = [r for r in steady if "step_ms" in r]
+    if timed:
+        step = statistics.mean(r["step_ms"] for r in timed)
+        shares = {p: statistics.mean(r[f"{p}_ms"] for r in timed) / step for p in PHASES}
+        lines.append(f"mean step: {step:.2f} ms — " + ", ".join(f"{p} {s:.0%}" for p, s in shares.items()))
+        lines.append(f"communication share: {shares['comm']:.0%} of step time")
+    if any("mfu" in r for r in steady):
+        lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
+    seen = Counter((s["rank"], s["host"]) for r in train for s in r.get("stragglers", ()))
+    if seen:
+        lines.append("stragglers seen: " + ", ".join(f"rank {rank} on {host} in {n} logged window(s)"
+                                                     for (rank, host), n in sorted(seen.items())))
+    else:
+        lines.append("stragglers seen: none")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write RUN_DIR/report/ and return it."""
+    import matplotlib.pyplot as plt
+
+    records = load_records(run_dir)
+    out = Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in build_figures(records).items():
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+    (out / "summary.txt").write_text(summary(records))
+    return out

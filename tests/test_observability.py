@@ -1,0 +1,164 @@
+"""Seeing inside a run: stragglers, hangs, misuse, OOM, profiles, doctor and report — real processes."""
+
+import json
+import os
+import struct
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, dtrain, env, metrics, ok, run, train_lines
+
+JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
+       "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",
+       "training.log_every=5"]
+
+
+def refused(result, *fragments):
+    lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def slow_rank_run(tmp_path_factory):
+    """Rank 1 sleeps 20 ms in every forward pass; steps 3-4 are profiled."""
+    run_dir = tmp_path_factory.mktemp("slow_rank")
+    result = ok(dtrain("run", *JOB, "model.options={hidden_size = 32, step_sleep_s = 0.02, slow_rank = 1}",
+                       "--nproc", "2", "profile.steps=3-4", f"run.dir={run_dir}"))
+    return run_dir, result
+
+
+def test_a_slow_rank_is_named_as_a_straggler(slow_rank_run):
+    run_dir, result = slow_rank_run
+    named = [line for line in result.stderr.splitlines() if line.startswith("straggler:")]
+    assert named and all(line.startswith("straggler: rank 1 on ") for line in named), result.stderr
+    later = train_lines(run_dir)[1:]  # the first window is warm-up and not judged
+    assert all(m["rank_busy_ms"][1] > m["rank_busy_ms"][0] + 15 for m in later)
+    assert all([s["rank"] for s in m["stragglers"]] == [1] for m in later)
+    # The fast rank spends the difference waiting at the all-reduce: it shows up as communication.
+    assert all(m["comm_ms"] > 5 for m in later)
+
+
+def test_profile_steps_write_one_trace_per_rank(slow_rank_run):
+    run_dir, _ = slow_rank_run
+    for rank in range(2):
+        trace = json.loads((run_dir / "profile" / f"rank-{rank}.pt.trace.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert "aten::addmm" in names and "aten::mm" in names  # the MLP's forward and backward
+
+
+def test_a_hang_is_explained_and_ended_before_the_backend_timeout(tmp_path):
+    start = time.monotonic()
+    result = dtrain("run", *JOB, "model.options={hidden_size = 32, stall_at_forward = 5, stall_rank = 1}",
+                    "--nproc", "2", "distributed.hang_timeout_s=3", f"run.dir={tmp_path}")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 124, result.stderr
+    assert elapsed < 60  # the backend's own timeout is 1800 s
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert len(errors) == 1, result.stderr
+    assert "hang: no rank finished a step for 3 s" in errors[0]
+    assert "rank 1 (" in errors[0] and "at step 5, forward/backward is behind" in errors[0]
+    assert "rank(s) 0 wait at step 5, gradient all-reduce" in errors[0]
+    stalled = (tmp_path / "diagnostics" / "rank-1.txt").read_text()
+    assert "in stall_here_forever" in stalled and "in forward" in stalled  # where it stalled
+    waiting = (tmp_path / "diagnostics" / "rank-0.txt").read_text()
+    assert "_meet" in waiting  # rank 0 was waiting for rank 1's gradients
+
+
+def test_a_parameter_the_forward_pass_skips_gets_a_clear_message(tmp_path):
+    refused(dtrain("run", *JOB, "model.name=faults:with_unused", "monitor.debug=true", "--nproc", "2",
+                   f"run.dir={tmp_path}"),
+            "the forward pass did not use these parameters: extra.weight, extra.bias",
+            "set distributed.find_unused_parameters=true")
+
+
+def test_a_model_that_differs_between_ranks_gets_a_clear_message(tmp_path):
+    refused(dtrain("run", *JOB, "model.name=faults:shape_by_rank", "--nproc", "2", f"run.dir={tmp_path}"),
+            "the model differs between ranks", "build the same model on every rank")
+
+
+def test_out_of_memory_names_the_step_the_batch_and_the_levers(tmp_path):
+    refused(dtrain("run", *JOB, "model.options={oom_at_forward = 3}", "--nproc", "1", f"run.dir={tmp_path}"),
+            "out of GPU memory at step 3 on rank 0 with data.batch_size=16 per process",
+            "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or "
+            "training.precision=bf16")
+
+
+# --- doctor -------------------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_environment_and_what_looks_wrong():
+    healthy = ok(dtrain("doctor"))
+    assert "torch " in healthy.stdout and "backends: gloo yes" in healthy.stdout
+    assert "network interfaces: lo 127.0.0.1" in healthy.stdout
+    assert "problems: none found" in healthy.stdout
+    broken = dtrain("doctor", extra_env={"GLOO_SOCKET_IFNAME": "nosuchif0", "RANK": "3", "WORLD_SIZE": "2"})
+    assert broken.returncode == 1
+    assert "GLOO_SOCKET_IFNAME=nosuchif0 names no interface here (nosuchif0)" in broken.stdout
+    assert "RANK=3 is not below WORLD_SIZE=2" in broken.stdout
+    assert "RANK=3  — this process's global rank" in broken.stdout
+
+
+def test_doctor_measures_a_real_all_reduce_across_the_group():
+    result = ok(dtrain("doctor", "--nproc", "2", "--iters", "1"))
+    rows = [line.split() for line in result.stdout.splitlines()
+            if line.strip() and line.strip()[0].isdigit() and ("KiB" in line or "MiB" in line)]
+    sizes = [f"{r[0]} {r[1]}" for r in rows]
+    assert sizes == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB", "256 MiB"]
+    for row in rows:
+        algbw, busbw = float(row[-2]), float(row[-1])
+        assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, abs=1e-3)  # nccl-tests' bus bandwidth
+    assert float(rows[-1][-1]) > 0.01
+    assert "verdict: OK — results correct" in result.stdout
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
+    from dtrain.report import build_figures, load_records, write_report
+
+    run_dir, _ = slow_rank_run
+    records = load_records(run_dir)
+    figures = build_figures(records)
+    train = [r for r in records if "loss" in r]
+    loss_line = figures["loss"].axes[0].lines[0]
+    assert list(loss_line.get_ydata()) == [r["loss"] for r in train]
+    assert list(figures["throughput"].axes[0].lines[0].get_ydata()) == [r["samples_per_s"] for r in train]
+    ranks = figures["ranks"].axes[0].lines
+    assert [list(line.get_ydata()) for line in ranks] == [[r["rank_busy_ms"][k] for r in train] for k in range(2)]
+    stacked = figures["step_time"].axes[0].collections  # data, compute, comm, optimizer
+    assert len(stacked) == 4
+
+    out = write_report(run_dir)
+    for name in ("loss", "throughput", "step_time", "ranks"):
+        assert png_size(out / f"{name}.png")[0] > 200
+    summary = (out / "summary.txt").read_text()
+    assert "stragglers seen: rank 1 on" in summary and "communication share:" in summary
+
+    # Different data, different pictures.
+    other = tmp_path / "other"
+    other.mkdir()
+    changed = [dict(r, loss=r["loss"] * 3) if "loss" in r else r for r in records]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
+    write_report(other)
+    assert (other / "report" / "loss.png").read_bytes() != (out / "loss.png").read_bytes()
+    assert (other / "report" / "ranks.png").read_bytes() == (out / "ranks.png").read_bytes()
+
+
+def test_report_from_the_command_line(slow_rank_run):
+    run_dir, _ = slow_rank_run
+    result = ok(dtrain("report", str(run_dir)))
+    assert "final training loss" in result.stdout and "plots: loss.png, ranks.png" in result.stdout
+    missing = dtrain("report", str(run_dir / "nope"))
+    assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
