@@ -39,7 +39,10 @@ class HangWatch:
         self._store = None
         if world_size > 1:
             # The store every rank already reaches (through rank 0), under a prefix of our own.
-            self._store = dist.PrefixStore("dtrain/progress", dist.distributed_c10d._get_default_store())
+            try:
+                self._store = dist.PrefixStore("dtrain/progress", dist.distributed_c10d._get_default_store())
+            except (AttributeError, RuntimeError, ValueError):
+                self._store = None  # then only this rank's own progress is known
 
     def start(self) -> None:
         if self.timeout_s > 0:
@@ -55,7 +58,9 @@ class HangWatch:
         interval = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(interval):
             self._publish()
-            if time.monotonic() - self.progress.beat > self.timeout_s:
+            # Writing a large checkpoint may legitimately take a while: it gets four times as long.
+            limit = self.timeout_s * (4 if self.progress.phase == "checkpoint" else 1)
+            if time.monotonic() - self.progress.beat > limit:
                 self._on_hang()
 
     def _publish(self) -> None:
