@@ -30,6 +30,7 @@ from .metrics import StepMetrics
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
+from .profiling import StepProfiler
 from .steptime import StepTimer
 from .watchdog import HangWatch
 
@@ -115,8 +116,8 @@ class Trainer:
             device, session.world_size, self.timer, hosts=distributed.hostnames(),
             flops_per_sample=self._count_flops() if count else None, peak_flops=peak,
             straggler_margin=cfg.monitor.straggler_margin)
-        self._profile_steps = profile_range(cfg.profile.steps) if cfg.profile.steps else None
-        self._profiler = None
+        self.profiler = StepProfiler(profile_range(cfg.profile.steps) if cfg.profile.steps else None,
+                                     self.run_dir, session.rank, device.type == "cuda")
         self._unused_checked = False
 
         self._take_run_dir()
@@ -214,7 +215,7 @@ class Trainer:
                 start = self.step - self.epoch * self.train_batches.steps_per_epoch
                 batches = iter(self.train_batches.epoch(self.epoch, start_step=start))
                 while True:
-                    self._profile()
+                    self.profiler.before_step(self.step + 1)
                     self.timer.start()
                     micro_batches = next(batches, None)
                     if micro_batches is None:
@@ -258,7 +259,7 @@ class Trainer:
             raise self._out_of_memory() from None
         finally:
             self.watch.stop()
-            self._stop_profiler()
+            self.profiler.close()
             stop.uninstall()
             self.monitor.close()
             self._lock.release()
@@ -286,32 +287,6 @@ class Trainer:
         return DtrainError(f"out of GPU memory at step {self.step + 1} on rank {self.session.rank} with "
                            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
                            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
-
-    def _profile(self) -> None:
-        """Start the profiler before the first step of `profile.steps`, stop it after the last."""
-        if self._profile_steps is None:
-            return
-        first, last = self._profile_steps
-        next_step = self.step + 1
-        if self._profiler is None and first <= next_step <= last:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.session.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-            self._profiler.start()
-        elif self._profiler is not None and next_step > last:
-            self._stop_profiler()
-
-    def _stop_profiler(self) -> None:
-        if self._profiler is None:
-            return
-        self._profiler.stop()
-        out = self.run_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
-        # A Chrome trace: opens in Perfetto, and in TensorBoard's profiler (tensorboard --logdir profile).
-        self._profiler.export_chrome_trace(str(out / f"rank-{self.session.rank}.pt.trace.json"))
-        self._profiler = None
-        self._profile_steps = None
 
     def _train_step(self, micro_batches: list[tuple[Any, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
