@@ -116,11 +116,16 @@ def test_the_main_job(tmp_path):
         assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= m.keys() and m["samples_per_s"] > 0
     assert len(eval_lines(run_dir)) == 20  # every epoch
 
-    # Where each step went: the four phases add up to about the step's wall time (the rest is logging
-    # between steps), every rank's busy time is there, and the FLOP count is the MLP's.
-    for m in lines[1:]:
-        phases = m["data_ms"] + m["compute_ms"] + m["comm_ms"] + m["optimizer_ms"]
-        assert 0.6 * m["step_ms"] <= phases <= 1.05 * m["step_ms"], m
+    # Where each step went: every rank's four phases lie inside its own step time (the rest is logging
+    # between steps) and cover most of it, every rank's busy time is there, and the FLOP count is the
+    # MLP's.
+    def phases(m):
+        return m["data_ms"] + m["compute_ms"] + m["comm_ms"] + m["optimizer_ms"]
+
+    timed = lines[1:]  # the first window holds start-up
+    assert sum(map(phases, timed)) >= 0.6 * sum(m["step_ms"] for m in timed)
+    for m in timed:
+        assert 0.3 * m["step_ms"] <= phases(m) <= m["step_ms"], m
         assert m["comm_ms"] > 0 and len(m["rank_busy_ms"]) == 2
         assert m["flops_per_sample"] == 3 * 2 * (64 * 1024 + 1024 * 10) - 2 * 64 * 1024  # no input grad
 

@@ -2,9 +2,9 @@
 
 During the window between log steps the training step only adds to two device scalars (loss, gradient
 norm) and counts samples on the host; the step timer keeps its marks. At a log step `StepMetrics.take`
-gathers one small vector from every rank — loss and norm sums, the rank's stop request, its time split
-— and turns it into the record: global samples/s, the step-time breakdown, MFU, per-rank busy time and
-the ranks that straggle. That gather is the only place the host waits for the device.
+gathers one small vector from every rank — loss and norm sums, the rank's stop request, its own clock
+for the window and its time split — and turns it into the record: global samples/s, the step-time
+breakdown, MFU, per-rank busy time and the ranks that straggle. That gather is the only place the host waits for the device.
 """
 
 from __future__ import annotations
@@ -56,27 +56,31 @@ class StepMetrics:
 
     def take(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """The window's record (every rank gets the same) and whether any rank asked to stop."""
-        phases = self.timer.take() if self.timer.enabled else None
-        local = torch.tensor([0.0, 0.0, float(stop_requested), *(phases[p] for p in PHASES)] if phases
-                             else [0.0, 0.0, float(stop_requested)], dtype=torch.float64, device=self.device)
-        local[0] += self.loss_sum.double()
-        local[1] += self.norm_sum.double()
+        phases = self.timer.take() if self.timer.enabled else None  # on CUDA: the window's work is done
+        # This rank's own clock for the window, read before the gather: every step it timed lies inside
+        # it, so the phases can never add up to more than the step time they break down.
+        own_seconds = max(time.perf_counter() - self._start, 1e-9)
+        split = [phases[p] for p in PHASES] if phases else []
+        local = torch.tensor([0.0, 0.0, float(stop_requested), own_seconds, *split], dtype=torch.float64,
+                             device=self.device)
+        local[_LOSS] += self.loss_sum.double()
+        local[_NORM] += self.norm_sum.double()
         rows = _gather(local, self.world_size).tolist()  # the one host sync of the window
         self.loss_sum.zero_()
         self.norm_sum.zero_()
 
         now = time.perf_counter()
-        seconds = max(now - self._start, 1e-9)
+        seconds = max(now - self._start, 1e-9)  # rank 0's gather to gather: throughput over a run adds up
         per_step = max(self._steps, 1) * self.world_size
         samples_per_s = self._samples * self.world_size / seconds
         record: dict[str, Any] = {
-            "loss": sum(r[0] for r in rows) / per_step,
-            "grad_norm": sum(r[1] for r in rows) / per_step,
+            "loss": sum(r[_LOSS] for r in rows) / per_step,
+            "grad_norm": sum(r[_NORM] for r in rows) / per_step,
             "samples_per_s": samples_per_s,
         }
-        stop = any(r[2] > 0 for r in rows)
+        stop = any(r[_STOP] > 0 for r in rows)
         if phases is not None:
-            record.update(self._breakdown(rows, seconds))
+            record.update(self._breakdown(rows))
         self._windows += 1
         if self.flops_per_sample is not None:
             record["flops_per_sample"] = self.flops_per_sample
@@ -85,19 +89,26 @@ class StepMetrics:
         self._steps, self._samples, self._start = 0, 0, now
         return record, stop
 
-    def _breakdown(self, rows: list[list[float]], seconds: float) -> dict[str, Any]:
-        means = {p: sum(r[3 + i] for r in rows) / len(rows) for i, p in enumerate(PHASES)}
-        busy = [r[3] + r[4] + r[6] for r in rows]  # data + compute + optimizer: not waiting on others
+    def _breakdown(self, rows: list[list[float]]) -> dict[str, Any]:
+        def mean(column: int) -> float:
+            return sum(r[column] for r in rows) / len(rows)
+
+        phase = {p: _PHASE0 + i for i, p in enumerate(PHASES)}
+        busy = [r[phase["data"]] + r[phase["compute"]] + r[phase["optimizer"]] for r in rows]  # not waiting
         # The first window holds one-off warm-up work (kernel selection, allocator growth): not judged.
         slow = stragglers(busy, self.margin) if self._windows > 0 else []
         out: dict[str, Any] = {
-            "step_ms": 1000 * seconds / max(self._steps, 1),
-            **{f"{p}_ms": ms for p, ms in means.items()},
+            "step_ms": 1000 * mean(_OWN_SECONDS) / max(self._steps, 1),
+            **{f"{p}_ms": mean(column) for p, column in phase.items()},
             "rank_busy_ms": busy,
         }
         if slow:
             out["stragglers"] = [{"rank": r, "host": self.hosts[r], "slower": share} for r, share in slow]
         return out
+
+
+# Columns of the vector each rank contributes to the gather.
+_LOSS, _NORM, _STOP, _OWN_SECONDS, _PHASE0 = range(5)
 
 
 def _gather(local: torch.Tensor, world_size: int) -> torch.Tensor:
