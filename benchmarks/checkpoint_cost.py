@@ -60,7 +60,7 @@ def save_load_worker(out: Path, saves: int) -> None:
 
     dist.init_process_group("gloo")
     x, y = torch.rand(4096, 1, 28, 28), torch.randint(0, 10, (4096,))
-    run_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-")) if dist.get_rank() == 0 else None
+    run_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=out.parent)) if dist.get_rank() == 0 else None
     run_dir = Path(dtrain.distributed.from_rank0(str(run_dir)))
     config = dtrain.Config.from_dict({"run": {"dir": str(run_dir)}, "optimizer": {"momentum": 0.9},
                                       "training": {"epochs": 1, "max_steps": 5}})

@@ -41,7 +41,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
     data = TensorDataset(x, y)
 
     def once(name: str, n: int) -> float:
-        raw = {"run": {"dir": tempfile.mkdtemp(prefix="monitor-bench-")}, "data": {"batch_size": 64},
+        raw = {"run": {"dir": tempfile.mkdtemp(prefix="monitor-bench-", dir=out.parent)}, "data": {"batch_size": 64},
                "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
                "training": {"epochs": 100, "max_steps": n}}
         raw.update(VARIANTS[name])

@@ -58,7 +58,7 @@ def guide_model():
     return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def run_dtrain(images, labels, steps: int) -> float:
+def run_dtrain(images, labels, steps: int, scratch: Path) -> float:
     import torch
     from torch.utils.data import TensorDataset
 
@@ -69,7 +69,7 @@ def run_dtrain(images, labels, steps: int) -> float:
     torch.manual_seed(0)
     model = mlp((1, 28, 28), 10)
     config = dtrain.Config.from_dict({
-        "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-")},
+        "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-", dir=scratch)},
         "data": {"batch_size": BATCH},
         "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
         "training": {"epochs": 100, "max_steps": steps},
@@ -173,7 +173,8 @@ def worker(variant: str, steps: int, out: Path) -> None:
 
     dist.init_process_group("gloo")
     images, labels = make_data()
-    train = {"dtrain": run_dtrain, "plain": run_plain, "guide": run_guide,
+    # dtrain's run directories go beside the result file, which the parent removes afterwards.
+    train = {"dtrain": lambda *a: run_dtrain(*a, scratch=out.parent), "plain": run_plain, "guide": run_guide,
              "ceiling": lambda *a: run_plain(*a, exchange_gradients=False)}[variant]
     train(images, labels, WARMUP_STEPS)
     dist.barrier()

@@ -4,7 +4,8 @@ During the window between log steps the training step only adds to two device sc
 norm) and counts samples on the host; the step timer keeps its marks. At a log step `StepMetrics.take`
 gathers one small vector from every rank — loss and norm sums, the rank's stop request, its own clock
 for the window and its time split — and turns it into the record: global samples/s, the step-time
-breakdown, MFU, per-rank busy time and the ranks that straggle. That gather is the only place the host waits for the device.
+breakdown, MFU, per-rank busy time and the ranks that straggle. That gather is the only place the
+host waits for the device.
 """
 
 from __future__ import annotations
