@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import torchrun_self
+from harness import run_workers
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -103,16 +103,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--restarts", type=int, default=3)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        save_load_worker(args.worker, args.saves)
+        save_load_worker(args.out, args.saves)
         return
+    cost = run_workers(__file__, "--worker", "--saves", str(args.saves))
+    restarts = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "save_load.json"
-        torchrun_self(__file__, "--worker", str(out), "--saves", str(args.saves))
-        cost = json.loads(out.read_text())
-        restarts = []
         for i in range(args.restarts):
             case = Path(tmp) / f"restart{i}"
             case.mkdir()

@@ -1,19 +1,28 @@
-"""What every benchmark here shares: start this same script as N workers under torchrun."""
+"""What every benchmark here shares: run this same script as N workers under torchrun and read back
+what rank 0 wrote."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 
-def torchrun_self(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """Run `script args` in `nproc` workers under torchrun; exit with its output if it fails."""
+def run_workers(script: str, *args: str, nproc: int = 2) -> Any:
+    """Run `script --out FILE args` in `nproc` workers under torchrun and return the JSON that rank 0
+    wrote to FILE. FILE sits in a temporary directory that workers may also use for scratch (run
+    directories); it is removed afterwards. Exits with the workers' output if they fail."""
     # The same threads for every variant: the cores split among the processes, as dtrain does.
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", script, *args],
-                          env={**os.environ, "OMP_NUM_THREADS": threads}, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr}")
-    return done
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", script, "--out", str(out), *args],
+                              env={**os.environ, "OMP_NUM_THREADS": threads}, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr}")
+        return json.loads(out.read_text())

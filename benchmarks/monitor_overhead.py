@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import torchrun_self
+from harness import run_workers
 
 VARIANTS = {
     "monitored": {},
@@ -68,15 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.steps)
+        worker(args.out, args.rounds, args.steps)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        torchrun_self(__file__, "--worker", str(out), "--rounds", str(args.rounds), "--steps", str(args.steps))
-        results = json.loads(out.read_text())
+    results = run_workers(__file__, "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps))
     med = {name: statistics.median(r) for name, r in results.items()}
     # Per round, monitored / bare: pairs taken side by side cancel slow drifts of the machine.
     ratios = [m / b for m, b in zip(results["monitored"], results["bare"])]

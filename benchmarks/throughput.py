@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import torchrun_self
+from harness import run_workers
 
 VARIANTS = ("dtrain", "plain", "guide", "ceiling")
 N_SAMPLES, BATCH, LR = 60_000, 64, 0.01
@@ -189,10 +189,7 @@ def worker(variant: str, steps: int, out: Path) -> None:
 
 
 def measure(variant: str, steps: int, nproc: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        torchrun_self(__file__, "--worker", variant, "--steps", str(steps), "--out", str(out), nproc=nproc)
-        return json.loads(out.read_text())["samples_per_s"]
+    return run_workers(__file__, "--worker", variant, "--steps", str(steps), nproc=nproc)["samples_per_s"]
 
 
 def table(results: dict[str, list[float]]) -> str:

@@ -1,7 +1,6 @@
 """Checkpoints, exact resume, crashes, preemption, and what must be refused — with real processes."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess

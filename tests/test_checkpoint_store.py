@@ -1,7 +1,6 @@
 """The checkpoint folder rules, on real files: sealing, choosing, pruning, verifying, locking."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import ROOT, dtrain, run, torchrun
+from helpers import dtrain, run
 import sys
 
 CFG = "examples/digits_mlp.toml"

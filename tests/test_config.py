@@ -1,7 +1,6 @@
 """Config: TOML + overrides, typed, validated with one-line answers."""
 
 import re
-from pathlib import Path
 
 import pytest
 

@@ -1,6 +1,5 @@
 """Every way a worker can be started finds the same ranks and takes the same steps."""
 
-import os
 import socket
 import subprocess
 import sys

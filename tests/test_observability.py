@@ -1,14 +1,12 @@
 """Seeing inside a run: stragglers, hangs, misuse, OOM, profiles, doctor and report — real processes."""
 
 import json
-import os
 import struct
-import sys
 import time
 
 import pytest
 
-from helpers import ROOT, dtrain, env, metrics, ok, run, train_lines
+from helpers import dtrain, ok, train_lines
 
 JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
        "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, metrics, ok, torchrun,
+from helpers import (ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, ok, torchrun,
                      train_lines, weights)
 
 

@@ -17,7 +17,6 @@ import platform
 import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
