@@ -4,7 +4,8 @@
     python benchmarks/throughput.py --rounds 5 --steps 400
 
 Each variant trains the 784→1024→10 MLP with batch 64 per process on 60 000 MNIST-shaped samples
-generated on the fly, in 2 processes started by torchrun. Variants run interleaved (A, B, C, A, B,
+generated on the fly, in 2 processes started by torchrun (on a GPU machine, one GPU each over nccl;
+`--nproc 1` measures one GPU). Variants run interleaved (A, B, C, A, B,
 C, ...) from this one parent process, so a noisy neighbour slows all of them alike; the table
 reports medians and ratios. Timing covers the training call only (model wrap, optimizer, the steps),
 after data is in memory and the group is up — the same span for every variant. Each worker first runs
@@ -55,7 +56,25 @@ def guide_model():
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(device())
+
+
+def device():
+    """This worker's GPU where there are GPUs (as dtrain binds it), else the CPU."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = device()
+    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
 def run_dtrain(images, labels, steps: int, scratch: Path) -> float:
@@ -84,18 +103,17 @@ def run_plain(images, labels, steps: int, exchange_gradients: bool = True) -> fl
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DistributedSampler
 
-    x = images.unsqueeze(1).float().div_(255)
+    x, labels = images.unsqueeze(1).float().div_(255).to(device()), labels.to(device())
     start = time.perf_counter()
-    model = DDP(guide_model()) if exchange_gradients else guide_model()
+    model = ddp(guide_model()) if exchange_gradients else guide_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     sampler = DistributedSampler(range(N_SAMPLES), shuffle=True, seed=0)
     done, epoch = 0, 0
     while done < steps:
         sampler.set_epoch(epoch)
-        order = torch.tensor(list(sampler))
+        order = torch.tensor(list(sampler), device=device())
         for idx in order.split(BATCH):
             xb, yb = x.index_select(0, idx), labels.index_select(0, idx)
             optimizer.zero_grad(set_to_none=True)
@@ -123,7 +141,6 @@ def to_tensor(pic):
 def run_guide(images, labels, steps: int) -> float:
     import torch
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
     try:
@@ -147,7 +164,7 @@ def run_guide(images, labels, steps: int) -> float:
 
     dataset = MNISTLike(images, labels, to_tensor)
     start = time.perf_counter()
-    model = DDP(guide_model())
+    model = ddp(guide_model())
     sampler = DistributedSampler(dataset)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -155,6 +172,7 @@ def run_guide(images, labels, steps: int) -> float:
     while done < steps:
         sampler.set_epoch(epoch)
         for data, target in loader:
+            data, target = data.to(device()), target.to(device())
             optimizer.zero_grad()
             output = model(data.view(data.size(0), -1))
             loss = F.cross_entropy(output, target)
@@ -169,9 +187,10 @@ def run_guide(images, labels, steps: int) -> float:
 
 
 def worker(variant: str, steps: int, out: Path) -> None:
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     images, labels = make_data()
     # dtrain's run directories go beside the result file, which the parent removes afterwards.
     train = {"dtrain": lambda *a: run_dtrain(*a, scratch=out.parent), "plain": run_plain, "guide": run_guide,

@@ -1,6 +1,7 @@
 """Seeing inside a run: stragglers, hangs, misuse, OOM, profiles, doctor and report — real processes."""
 
 import json
+import pickle
 import struct
 import time
 
@@ -65,6 +66,13 @@ def test_a_hang_is_explained_and_ended_before_the_backend_timeout(tmp_path):
     assert "in stall_here_forever" in stalled and "in forward" in stalled  # where it stalled
     waiting = (tmp_path / "diagnostics" / "rank-0.txt").read_text()
     assert "_meet" in waiting  # rank 0 was waiting for rank 1's gradients
+    # The flight recorder's record of the last collectives, dumped by dtrain (not at the backend's
+    # timeout), in the format torch's fr_trace analyser reads.
+    assert "flight-recorder-rank-<N>" in errors[0]
+    for rank in range(2):
+        record = pickle.loads((tmp_path / "diagnostics" / f"flight-recorder-rank-{rank}").read_bytes())
+        collectives = [entry["profiling_name"] for entry in record["entries"]]
+        assert collectives and all(name.startswith("gloo:") for name in collectives), collectives
 
 
 def test_a_parameter_the_forward_pass_skips_gets_a_clear_message(tmp_path):

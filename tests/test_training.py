@@ -51,6 +51,19 @@ def test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch(shared
     assert results["shared_memory_calls"] == 3
 
 
+@pytest.mark.parametrize("hook, registered", [("fp16", "fp16_compress_hook"), ("powersgd", "powerSGD_hook")])
+def test_a_compression_hook_takes_ddps_slot_and_trains(shared, hook, registered):
+    out, results = shared
+    assert results[f"hook_{hook}"] == {"registered": [registered], "shared_memory": False}
+    losses = [m["loss"] for m in train_lines(out / f"hook_{hook}")]
+    plain = [m["loss"] for m in train_lines(out / "parity")]
+    assert len(losses) == len(plain) and losses[-1] < 0.8 * losses[0]  # it learns
+    if hook == "fp16":  # half-precision gradients: close to the plain run, yet not the same numbers
+        assert losses != plain and max(abs(a - b) for a, b in zip(losses, plain)) < 0.05
+    # DDP's own measurement of the all-reduce stands in for the hook dtrain no longer holds.
+    assert all(m["comm_ms"] > 0 for m in train_lines(out / f"hook_{hook}")[1:])
+
+
 def test_a_group_the_user_made_is_left_alone(shared):
     assert shared[1]["group_alive_after_user_owned_fit"] is True
 

@@ -1,4 +1,5 @@
-"""Gradient averaging between processes on one machine through shared memory (CPU, gloo).
+"""What goes in DDP's comm-hook slot: gradient averaging through shared memory between processes on
+one machine (CPU, gloo), DDP's all-reduce timed per bucket, or torch's own compression hooks.
 
 DDP averages gradients with the backend's all-reduce. On one machine without GPUs that is gloo over
 loopback TCP: for the guide's MLP (3.3 MB of gradients) it costs about as much as the step's compute on
@@ -20,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .errors import ConfigError
 
 SHM_DIR = "/dev/shm"
 # Each rank's slot holds at most this much of a bucket at a time; larger buckets go through in chunks.
@@ -177,3 +180,49 @@ def _create_file(nbytes: int) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+# --- torch's own compression hooks, and communication time without a hook -------------------------
+
+
+def check_comm_hook(name: str, backend: str) -> None:
+    """torch's bf16 hook runs only on nccl; the others on any backend."""
+    if name == "bf16" and backend != "nccl":
+        raise ConfigError(f"distributed.comm_hook = 'bf16' needs nccl (CUDA GPUs) and this job runs on "
+                          f"{backend}; use distributed.comm_hook=fp16 or powersgd")
+
+
+def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -> None:
+    """Put torch's `name` hook (fp16, bf16, powersgd) in DDP's comm-hook slot."""
+    check_comm_hook(name, backend)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "powersgd":
+        # Rank-1 approximation after 10 plain all-reduces (torch's recommended warm start), with
+        # error feedback so that what compression drops is carried into the next step.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=10)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        raise ValueError(f"unknown comm hook {name!r}")
+
+
+def ddp_exposed_comm(model: torch.nn.Module):
+    """A reader of the gradient communication DDP's own reducer measured on its latest sampled step
+    (it samples the first ten steps, then one in a hundred), in seconds the backward pass waited
+    for it: the all-reduce's duration less its overlap with backward compute. None before any sample.
+
+    This needs no comm hook, so DDP's C++ all-reduce keeps the fast path and its hook slot stays free.
+    """
+    def exposed_seconds() -> float | None:
+        data = model._get_ddp_logging_data()
+        comm = data.get("backward_comm_time")
+        if not comm:
+            return None
+        return max(0, comm - data.get("backward_compute_comm_overlap_time", 0)) / 1e9
+
+    return exposed_seconds

@@ -65,6 +65,10 @@ class DistributedConfig:
     shared_memory_allreduce: bool = setting(True, "On CPU, average the gradients of processes on one "
                                             "machine through shared memory instead of gloo's loopback "
                                             "TCP (same numbers, less time).")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting(
+        "none", "Compress gradients before DDP's all-reduce with torch's own comm hook: fp16, bf16 "
+        "(nccl only) — half the bytes — or powersgd (low-rank; its error-feedback state is not "
+        "checkpointed). none: DDP's plain all-reduce (on CPU, the shared-memory average).")
 
 
 @dataclass
@@ -126,6 +130,8 @@ class TrainingConfig:
                                     "the gradient all-reduce.", min=1)
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32", "fp32, bf16 autocast (CPU or CUDA) or fp16 autocast with GradScaler (CUDA).")
+    tf32: bool = setting(True, "On GPUs with TF32 tensor cores (Ampere and newer), run fp32 matmuls "
+                         "in TF32 (torch.set_float32_matmul_precision('high')); false: full FP32.")
     max_grad_norm: float = setting(0.0, "Clip gradients to this global norm and log the norm "
                                    "(0: no clipping).", min=0)
     log_every: int = setting(10, "Optimizer steps between logged lines; losses are read from the "
@@ -148,8 +154,9 @@ class MonitorConfig:
     flops: Literal["auto", "yes", "no"] = setting(
         "auto", "Count model FLOPs per sample once with torch's FLOP counter (about 2 s at start-up): "
         "auto does it where MFU can be reported (a known GPU, or monitor.peak_tflops set).")
-    debug: bool = setting(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's shapes "
-                          "across ranks (slower; for finding desyncs).")
+    debug: bool = setting(False, "torch's distributed debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL on nccl "
+                          "(every collective's shapes checked across ranks; slower; for finding "
+                          "desyncs), INFO on gloo (DETAIL crashes DDP on gloo in torch 2.13).")
 
 
 @dataclass

@@ -140,19 +140,31 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def check_device_capacity(backend: str, local_world_size: int) -> None:
-    """nccl binds one GPU per process: more local processes than GPUs cannot work."""
-    if backend == "nccl":
-        gpus = torch.cuda.device_count()
-        if local_world_size > gpus:
-            raise ConfigError(f"--nproc {local_world_size} asks for more nccl processes than this "
-                              f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo")
+def check_device_capacity(backend: str, local_world_size: int, gpus: int) -> None:
+    """nccl binds one GPU per process: more local processes than GPUs cannot work.
+
+    Only dtrain's own launcher checks this, counting the GPUs it sees. A worker started by srun or
+    an MPI wrapper may see only the one GPU it was given (CUDA_VISIBLE_DEVICES per task), and that is
+    as it should be: it binds that one.
+    """
+    if backend == "nccl" and local_world_size > gpus:
+        raise ConfigError(f"--nproc {local_world_size} asks for more nccl processes than this "
+                          f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo")
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The GPU a worker binds among those it sees: its own when it sees one per local rank, the only
+    one when it was given exactly one (srun --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""
+    if visible < 1:
+        raise EnvironmentProblem("this worker sees no GPU (CUDA_VISIBLE_DEVICES hides them all?); give "
+                                 "every worker at least one GPU, or use distributed.backend=gloo")
+    return local_rank % visible
 
 
 def bind_device(env: DistEnv) -> torch.device:
     """Each process computes on its own GPU (LOCAL_RANK) when there are GPUs, else on the CPU."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
@@ -207,32 +219,26 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
           diagnostics_dir: Path | None = None) -> Session:
     """Join (or create) the process group for this worker and bind its device and threads.
 
-    `debug` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL (collectives checked across ranks); with nccl the
-    flight recorder keeps the last collectives and dumps them under `diagnostics_dir` on a timeout.
+    `debug` turns on torch's distributed debug mode (see `set_debug_level`). The flight recorder keeps
+    the last collectives; with nccl, its timeout dump goes under `diagnostics_dir`.
     """
-    if debug:
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if dist.is_available() and dist.is_initialized():
         env = _env_from_group(detect_env(environ))
         backend = dist.get_backend()
+        set_debug_level(debug, backend)
         device = bind_device(env)
         return Session(env, backend, device, owns_group=False)
 
     env = detect_env(environ)
     backend = resolve_backend(config.backend)
-    check_device_capacity(backend, env.local_world_size)
+    set_debug_level(debug, backend)
     device = bind_device(env)
     if device.type == "cpu":
         set_cpu_threads(env, environ)
     if env.world_size == 1:
         return Session(env, backend, device, owns_group=False)
 
-    if backend == "nccl":
-        for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
-            os.environ.setdefault(name, value)
-        if diagnostics_dir is not None:
-            diagnostics_dir.mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(diagnostics_dir / "nccl-trace-rank-"))
+    enable_flight_recorder(diagnostics_dir if backend == "nccl" else None)
     init_method = config.init_method
     if init_method == "env://":
         # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
@@ -266,6 +272,40 @@ def session(config: DistributedConfig, **options) -> Iterator[Session]:
         yield s
     finally:
         stop(s)
+
+
+def set_debug_level(debug: bool, backend: str) -> str | None:
+    """TORCH_DISTRIBUTED_DEBUG for this process, set so that torch really uses it: torch reads the
+    variable once, when torch.distributed is imported, so it is told again here. DETAIL (every
+    collective checked across ranks, DDP's runtime statistics logged) on nccl; INFO on gloo, where
+    DDP over DETAIL's checking process-group wrapper dies with SIGSEGV in torch 2.13."""
+    if not debug:
+        return None
+    level = "DETAIL" if backend == "nccl" else "INFO"
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = level
+    dist.set_debug_level_from_env()
+    return level
+
+
+def enable_flight_recorder(diagnostics_dir: Path | None) -> None:
+    """Keep the last collectives of every process group in torch's flight recorder (nccl, and gloo on
+    recent torch), so that a hang can be dumped and read (`HangWatch` dumps it into diagnostics/).
+
+    Current torch reads TORCH_FR_* (and warns about the TORCH_NCCL_* names it replaced); torch
+    before 2.7 reads only TORCH_NCCL_*. A value the user set, under either name, wins. With
+    `diagnostics_dir` (nccl), nccl's own timeout dump is written there too.
+    """
+    current = hasattr(torch._C, "_distributed_c10d") and hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    size, temp_file = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if current
+                       else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        os.environ[size] = "2000"
+    # nccl's own watchdog also dumps when a collective times out (distributed.timeout_s).
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if diagnostics_dir is not None:
+        diagnostics_dir.mkdir(parents=True, exist_ok=True)
+        if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
+            os.environ[temp_file] = str(diagnostics_dir / "flight-recorder-rank-")
 
 
 def _env_from_group(env: DistEnv) -> DistEnv:

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, distributed, models
-from .amp import precision_for
+from . import checkpoint, data, devices, distributed, models
+from .amp import precision_problem
+from .comm import check_comm_hook
 from .config import Config
-from .errors import EXIT_USAGE, DtrainError, Preempted
+from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
 from .trainer import Trainer, check_shardable
 
 # Set by `dtrain run/launch` for the workers it starts: they then leave reporting errors to it.
@@ -25,9 +26,16 @@ LAUNCHED_BY_DTRAIN = "DTRAIN_LAUNCHED"
 def preflight(config: Config, world_size: int, local_world_size: int) -> None:
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
     backend = distributed.resolve_backend(config.distributed.backend)
-    distributed.check_device_capacity(backend, local_world_size)
-    precision_for(config.training.precision,
-                  torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    check_comm_hook(config.distributed.comm_hook, backend)
+    gpus = devices.visible_gpus()
+    distributed.check_device_capacity(backend, local_world_size, len(gpus))
+    # The devices the workers will bind: the first GPUs, or this CPU.
+    targets = [("cuda", g.name, g.capability) for g in gpus[:local_world_size]] or [("cpu", "", (0, 0))]
+    for device_type, name, capability in targets:
+        problem = precision_problem(config.training.precision, device_type, name, capability,
+                                    rocm=torch.version.hip is not None)
+        if problem:
+            raise ConfigError(problem)
     data.prepare(config)
     n_train = data.size_hint(config)
     if n_train is not None:

@@ -1,11 +1,11 @@
 """The numbers behind each logged line, gathered from every rank in one collective.
 
-During the window between log steps the training step only adds to two device scalars (loss, gradient
-norm) and counts samples on the host; the step timer keeps its marks. At a log step `StepMetrics.take`
-gathers one small vector from every rank — loss and norm sums, the rank's stop request, its own clock
-for the window and its time split — and turns it into the record: global samples/s, the step-time
-breakdown, MFU, per-rank busy time and the ranks that straggle. That gather is the only place the
-host waits for the device.
+During the window between log steps the training step only adds to device scalars (loss, finite
+gradient norms and their count, steps GradScaler skipped) and counts samples on the host; the step
+timer keeps its marks. At a log step `StepMetrics.take` gathers one small vector from every rank —
+those sums, the rank's stop request, its own clock for the window and its time split — and turns it
+into the record: global samples/s, the step-time breakdown, MFU, per-rank busy time and the ranks that
+straggle. That gather is the only place the host waits for the device.
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ from .steptime import PHASES, StepTimer
 
 class StepMetrics:
     def __init__(self, device: torch.device, world_size: int, timer: StepTimer, hosts: list[str],
-                 flops_per_sample: float | None, peak_flops: float | None, straggler_margin: float):
+                 flops_per_sample: float | None, peak_flops: float | None, straggler_margin: float,
+                 count_skips: bool = False):
         self.loss_sum = torch.zeros((), device=device)  # added to every step, read only here
-        self.norm_sum = torch.zeros((), device=device)
+        self.norm_sum = torch.zeros((), device=device)  # finite norms only: a skipped fp16 step's is inf
+        self.norm_count = torch.zeros((), device=device)
+        self.skipped_sum = torch.zeros((), device=device)  # steps GradScaler skipped (fp16)
+        self.count_skips = count_skips
         self.device = device
         self.world_size = world_size
         self.timer = timer
@@ -41,6 +45,11 @@ class StepMetrics:
     def restart(self) -> None:
         """Start the window afresh (set-up time is not training time)."""
         self._steps, self._samples, self._start = 0, 0, time.perf_counter()
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        finite = torch.isfinite(norm)
+        self.norm_sum += torch.where(finite, norm, 0.0)
+        self.norm_count += finite
 
     def step_done(self, samples: int) -> None:
         self._steps += 1
@@ -62,23 +71,25 @@ class StepMetrics:
         # it, so the phases can never add up to more than the step time they break down.
         own_seconds = max(time.perf_counter() - self._start, 1e-9)
         split = [phases[p] for p in PHASES] if phases else []
-        local = torch.tensor([0.0, 0.0, float(stop_requested), own_seconds, *split], dtype=torch.float64,
-                             device=self.device)
-        local[_LOSS] += self.loss_sum.double()
-        local[_NORM] += self.norm_sum.double()
+        local = torch.tensor([0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, *split],
+                             dtype=torch.float64, device=self.device)
+        for column, total in ((_LOSS, self.loss_sum), (_NORM, self.norm_sum), (_NORMS, self.norm_count),
+                              (_SKIPPED, self.skipped_sum)):
+            local[column] += total.double()
+            total.zero_()
         rows = _gather(local, self.world_size).tolist()  # the one host sync of the window
-        self.loss_sum.zero_()
-        self.norm_sum.zero_()
 
         now = time.perf_counter()
         seconds = max(now - self._start, 1e-9)  # rank 0's gather to gather: throughput over a run adds up
         per_step = max(self._steps, 1) * self.world_size
         samples_per_s = self._samples * self.world_size / seconds
-        record: dict[str, Any] = {
-            "loss": sum(r[_LOSS] for r in rows) / per_step,
-            "grad_norm": sum(r[_NORM] for r in rows) / per_step,
-            "samples_per_s": samples_per_s,
-        }
+        record: dict[str, Any] = {"loss": sum(r[_LOSS] for r in rows) / per_step}
+        norms = sum(r[_NORMS] for r in rows)
+        if norms:  # none when every step of the window was skipped
+            record["grad_norm"] = sum(r[_NORM] for r in rows) / norms
+        if self.count_skips:  # gradients are synchronised: every rank skips the same steps
+            record["skipped_steps"] = int(max(r[_SKIPPED] for r in rows))
+        record["samples_per_s"] = samples_per_s
         stop = any(r[_STOP] > 0 for r in rows)
         if phases is not None:
             record.update(self._breakdown(rows))
@@ -109,7 +120,7 @@ class StepMetrics:
 
 
 # Columns of the vector each rank contributes to the gather.
-_LOSS, _NORM, _STOP, _OWN_SECONDS, _PHASE0 = range(5)
+_LOSS, _NORM, _NORMS, _SKIPPED, _STOP, _OWN_SECONDS, _PHASE0 = range(7)
 
 
 def _gather(local: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -7,15 +7,18 @@ only when the window is summed at a log step (the trainer syncs there anyway). N
 for the device.
 
 Communication time is what the training thread could not spend computing: the full duration of a
-synchronous hook (dtrain's shared-memory average on CPU), or, for an asynchronous all-reduce
-(gloo between machines, NCCL), the stretch from the last bucket's launch to the end of backward,
-when DDP waits for the buckets still in flight.
+synchronous hook (dtrain's shared-memory average on CPU), or, for gloo's asynchronous all-reduce
+between machines, the stretch from the last bucket's launch to the end of backward, when DDP waits
+for the buckets still in flight. Where dtrain leaves DDP's comm-hook slot alone (GPUs, a compression
+hook the user chose) a `comm_source` gives it instead: DDP's own measurement of its latest sampled
+step, taken out of the forward+backward time.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -54,6 +57,7 @@ class StepTimer:
         self._marks: list = []
         self._last_launch = None
         self._sync_s = 0.0
+        self.comm_source: Callable[[], float | None] | None = None  # seconds per step, when no hook times it
 
     def _mark(self):
         if self.cuda:
@@ -124,6 +128,11 @@ class StepTimer:
             window.totals["compute"] += max(0.0, seconds(ready, backward) - comm)
             window.totals["optimizer"] += seconds(backward, done)
         steps = max(window.steps, 1)
+        per_step = self.comm_source() if self.comm_source is not None and window.steps else None
+        if per_step is not None:  # measured outside the step: move it from compute to comm
+            comm = min(per_step * window.steps, window.totals["compute"])
+            window.totals["comm"] += comm
+            window.totals["compute"] -= comm
         return {phase: 1000 * total / steps for phase, total in window.totals.items()}
 
     def _comm_seconds(self, backward: float, launch: float | None) -> float:

@@ -22,7 +22,8 @@ from . import distributed, perf
 from .amp import precision_for
 from .checkpoint import (Checkpointer, Parts, Position, RunDirLock, atomic_write_text, save_final_weights,
                          truncate_metrics)
-from .comm import SharedMemoryAllReduce, TimedAllReduce, shared_memory_hook, timed_allreduce_hook
+from .comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
+                   shared_memory_hook, timed_allreduce_hook)
 from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TrainBatches
 from .errors import DataError, DtrainError, Preempted
@@ -75,15 +76,17 @@ class Trainer:
         self._lock = RunDirLock(self.run_dir)
         try:
             self._build()
-        except BaseException:
+        except BaseException as exc:
             self._lock.release(remove_if_created=True)
             distributed.stop(self.session)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise self._out_of_memory("while setting up (model, data held on the device)") from None
             raise
 
     def _build(self) -> None:
         cfg, session = self.config, self.session
         device = session.device
-        self.precision = precision_for(cfg.training.precision, device)
+        self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         check_shardable(cfg, len(self.train_data), session.world_size)
 
         sampler = ShardSampler(len(self.train_data), session.rank, session.world_size, seed=cfg.run.seed)
@@ -100,22 +103,18 @@ class Trainer:
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         if session.world_size > 1:
             self.model = self._wrap_ddp()
-            self.shared_memory = self._share_gradients_in_memory()
-            if self.shared_memory is not None:
-                self.shared_memory.timer = self.timer
-            elif cfg.monitor.breakdown:
-                self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
+            self._attach_comm_hook()
         else:
             self.model = self.module
-        self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters())
+        self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters(), device)
         self.total_steps = self._planned_steps()
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
-        peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops)
+        peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops, cfg.training.tf32)
         count = cfg.monitor.flops == "yes" or (cfg.monitor.flops == "auto" and peak is not None)
         self.metrics = StepMetrics(
             device, session.world_size, self.timer, hosts=distributed.hostnames(),
             flops_per_sample=self._count_flops() if count else None, peak_flops=peak,
-            straggler_margin=cfg.monitor.straggler_margin)
+            straggler_margin=cfg.monitor.straggler_margin, count_skips=self.precision.scaler.is_enabled())
         self.profiler = StepProfiler(profile_range(cfg.profile.steps) if cfg.profile.steps else None,
                                      self.run_dir, session.rank, device.type == "cuda")
         self._unused_checked = False
@@ -128,6 +127,7 @@ class Trainer:
         if resume_from is not None:
             position = self.checkpointer.restore(resume_from)
             self.step, self.epoch = position.step, position.epoch
+            self.metrics.skipped_sum.fill_(position.unscheduled_skips)
         self._lr = self.optimizer.param_groups[0]["lr"]
 
         continuing = resume_from is not None and self.step < self.total_steps
@@ -153,11 +153,31 @@ class Trainer:
                        bucket_cap_mb=dc.bucket_cap_mb, gradient_as_bucket_view=dc.gradient_as_bucket_view,
                        static_graph=dc.static_graph, find_unused_parameters=dc.find_unused_parameters)
         except RuntimeError as exc:
-            # DDP compares every parameter's shape across ranks before it starts.
+            # DDP compares every parameter's shape across ranks before it starts. Only that failure is
+            # about the model: an out-of-memory or a broken transport is a RuntimeError too.
+            if not any(sign in str(exc) for sign in _MODEL_MISMATCH):
+                raise
             first_line = str(exc).strip().splitlines()[0]
             raise DtrainError(f"the model differs between ranks ({first_line}); build the same model on "
                               f"every rank: seed before building it and keep its shape independent of "
                               f"the rank") from None
+
+    def _attach_comm_hook(self) -> None:
+        """DDP's one comm-hook slot: the user's compression, else (CPU, one machine) the shared-memory
+        average, else (CPU across machines) DDP's all-reduce timed per bucket. On GPUs the slot stays
+        free and DDP's C++ all-reduce untouched: communication time is what DDP itself samples."""
+        dc, device = self.config.distributed, self.session.device
+        if dc.comm_hook != "none":
+            register_compression_hook(self.model, dc.comm_hook, self.session.backend)
+            self.timer.comm_source = ddp_exposed_comm(self.model)
+            return
+        self.shared_memory = self._share_gradients_in_memory()
+        if self.shared_memory is not None:
+            self.shared_memory.timer = self.timer
+        elif device.type == "cuda":
+            self.timer.comm_source = ddp_exposed_comm(self.model)
+        elif self.config.monitor.breakdown:
+            self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
 
     def _count_flops(self) -> float | None:
         """Training FLOPs per sample, counted once on a meta-device copy of one micro-batch."""
@@ -256,7 +276,7 @@ class Trainer:
                 save_final_weights(self.module, self.run_dir / "model.safetensors")
             distributed.barrier()
         except torch.cuda.OutOfMemoryError:
-            raise self._out_of_memory() from None
+            raise self._out_of_memory(f"at step {self.step + 1}") from None
         finally:
             self.watch.stop()
             self.profiler.close()
@@ -273,18 +293,21 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         self.metrics.pause()
         self.timer.progress.at("checkpoint")
-        checkpoint = self.checkpointer.save(Position(self.step, self.epoch))
+        position = Position(self.step, self.epoch, unscheduled_skips=int(self.metrics.skipped_sum.item()))
+        checkpoint = self.checkpointer.save(position)
         self.metrics.resume()
         self.monitor.info(f"checkpoint {checkpoint.name} written")
 
-    def _out_of_memory(self) -> DtrainError:
+    def _out_of_memory(self, when: str) -> DtrainError:
         cfg = self.config
         batch, accum = cfg.data.batch_size, cfg.training.grad_accum_steps
         levers = [f"data.batch_size={max(1, batch // 2)} training.grad_accum_steps={accum * 2} (the same "
                   f"effective batch)" if batch > 1 else "a smaller model"]
         if cfg.training.precision == "fp32":
             levers.append("training.precision=bf16")
-        return DtrainError(f"out of GPU memory at step {self.step + 1} on rank {self.session.rank} with "
+        if cfg.data.on_device and self.session.device.type == "cuda":
+            levers.append("data.on_device=false")
+        return DtrainError(f"out of GPU memory {when} on rank {self.session.rank} with "
                            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
                            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
 
@@ -308,14 +331,20 @@ class Trainer:
         self.timer.backward_done()
         if not self._unused_checked:
             self._check_every_parameter_got_a_gradient()
-        if self.config.training.max_grad_norm > 0:
+        if scaler.is_enabled():
+            # fp16: true gradients before clipping, and (on the device) whether GradScaler skips
+            # this step because they overflowed.
             scaler.unscale_(optimizer)
-            self.metrics.norm_sum += nn.utils.clip_grad_norm_(self.module.parameters(),
-                                                              self.config.training.max_grad_norm)
+            self.metrics.skipped_sum += self.precision.found_inf(optimizer)
+        if self.config.training.max_grad_norm > 0:
+            self.metrics.add_grad_norm(nn.utils.clip_grad_norm_(self.module.parameters(),
+                                                                self.config.training.max_grad_norm))
         self._lr = optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        # A step GradScaler skipped advances the schedule here too: it is taken back at the next log
+        # step, when the host learns of it without waiting on the device (see _log_train).
         self.scheduler.step()
         self.timer.step_done()
         self.metrics.step_done(n_step)
@@ -380,9 +409,18 @@ class Trainer:
         stats, stop = self.metrics.take(stop_requested)
         record = {"step": self.step, "epoch": self.epoch, "time": time.time(), "lr": self._lr, **stats}
         if self.config.training.max_grad_norm <= 0:
-            record.pop("grad_norm")
+            record.pop("grad_norm", None)
+        if record.get("skipped_steps"):
+            self._unschedule(record["skipped_steps"])
         self.monitor.log(record)
         return record, stop
+
+    def _unschedule(self, skipped: int) -> None:
+        """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
+        optimizer's real updates (warm-up is not spent on steps that changed nothing). Every rank
+        does it at the same log step, with the same count."""
+        self.scheduler.last_epoch -= skipped + 1
+        self.scheduler.step()  # recomputes every group's lr at the corrected position
 
     def _log_eval(self) -> dict[str, Any]:
         self.metrics.pause()
@@ -390,6 +428,10 @@ class Trainer:
         self.monitor.log(record)
         self.metrics.resume()
         return record
+
+
+# How DDP says that ranks disagree about the parameters: their number, or a shape.
+_MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match sizes of the same param")
 
 
 def _forward(model: nn.Module, inputs: Any) -> torch.Tensor:

@@ -3,8 +3,10 @@
 Each rank runs a watchdog thread. Every second it publishes the rank's progress (step and phase) to
 the process group's store. When the rank has made no progress for `distributed.hang_timeout_s` —
 typically because one rank stalled and every other one waits for it inside a collective — it writes
-every thread's Python stack to `<run.dir>/diagnostics/rank-<N>.txt`, reads everyone's progress to name
-the ranks that are behind, reports once, and ends the process well before the backend's own timeout.
+every thread's Python stack to `<run.dir>/diagnostics/rank-<N>.txt` and the flight recorder's record
+of the last collectives to `diagnostics/flight-recorder-rank-<N>` (nccl's own dump would come only at
+the backend's timeout, long after), reads everyone's progress to name the ranks that are behind,
+reports once, and ends the process well before the backend's own timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .errors import EXIT_HANG
@@ -80,6 +83,7 @@ class HangWatch:
                      f"{self.progress.phase}, no progress for {self.timeout_s:g} s\n\n")
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
+        dump_flight_recorder(self.diagnostics / f"flight-recorder-rank-{self.rank}")
         from .job import report  # here: job imports the trainer, which imports this module
 
         report(self._describe(), self.rank, traceback_text=None)
@@ -106,7 +110,9 @@ class HangWatch:
         else:
             who = f"this rank ({self.rank}) was at step {self.progress.step + 1}, {self.progress.phase}"
         return (f"hang: no rank finished a step for {self.timeout_s:g} s (distributed.hang_timeout_s); "
-                f"{who}. Python stacks of every rank: {self.diagnostics}/rank-<N>.txt")
+                f"{who}. Python stacks of every rank: {self.diagnostics}/rank-<N>.txt; last collectives: "
+                f"flight-recorder-rank-<N> there (python -m torch.distributed.flight_recorder.fr_trace "
+                f"{self.diagnostics} --prefix flight-recorder-rank-)")
 
     def _progress_of_all(self) -> dict[int, dict]:
         if self._store is None:
@@ -119,3 +125,18 @@ class HangWatch:
             except Exception:  # noqa: BLE001
                 continue
         return seen
+
+
+def dump_flight_recorder(path: Path) -> bool:
+    """Write torch's flight recorder (the last collectives of every process group, in the pickle format
+    torch's fr_trace analyser reads) to `path`. False where this torch build has no recorder to dump
+    (torch before 2.7 has it only in CUDA builds, as _dump_nccl_trace)."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return False
+    try:
+        path.write_bytes(dump())
+        return True
+    except Exception:  # noqa: BLE001 - a failed dump must not hide the hang report itself
+        return False

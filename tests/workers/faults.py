@@ -16,7 +16,7 @@ class DyingMLP(nn.Module):
 
     def __init__(self, input_shape, num_classes, hidden_size=64, die_at_forward=0, die_rank=-1,
                  dropout=0.1, note="", step_sleep_s=0.0, slow_rank=-1, stall_at_forward=0, stall_rank=-1,
-                 oom_at_forward=0):
+                 oom_at_forward=0, oom_gib=0):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), hidden_size),
                                  nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden_size, num_classes))
@@ -28,6 +28,7 @@ class DyingMLP(nn.Module):
         self.slow_rank = slow_rank  # only this rank sleeps (-1: every rank)
         self.stall_at, self.stall_rank = stall_at_forward, stall_rank
         self.oom_at = oom_at_forward
+        self.oom_gib = oom_gib  # > 0: really allocate this much on the device (a GPU's true OOM)
 
     def forward(self, x):
         if self.training:
@@ -41,6 +42,8 @@ class DyingMLP(nn.Module):
             if first_attempt and rank == self.stall_rank and self.forwards == self.stall_at:
                 stall_here_forever()
             if self.forwards == self.oom_at:
+                if self.oom_gib:
+                    torch.empty(int(self.oom_gib * 2**30), dtype=torch.uint8, device=x.device)
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if self.slow_rank in (-1, rank):
                 time.sleep(self.step_sleep_s)

@@ -150,6 +150,14 @@ def shared(out: Path) -> None:
     results["bf16"] = bf16.fit()
     results["threads"] = torch.get_num_threads()
 
+    # torch's compression hooks take DDP's slot instead of the shared-memory average, and train.
+    for hook in ("fp16", "powersgd"):
+        compressed = dtrain.Trainer(config(out / f"hook_{hook}", {"distributed": {"comm_hook": hook}}),
+                                    model=fresh_model(), train_data=train)
+        compressed.fit()
+        results[f"hook_{hook}"] = {"registered": [h.__name__ for h, _ in compressed.model._comm_hooks],
+                                   "shared_memory": compressed.shared_memory is not None}
+
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()

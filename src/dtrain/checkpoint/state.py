@@ -19,6 +19,9 @@ class Position:
 
     step: int
     epoch: int
+    # fp16: steps GradScaler skipped that the LR schedule has not yet taken back (it does so at log
+    # steps); a resume must take them back at the same log step as the run it continues.
+    unscheduled_skips: int = 0
 
 
 @dataclass

@@ -39,7 +39,13 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
     """Write this rank's share of a checkpoint into `folder` (every rank calls it). Returns the
     marker metadata."""
     model_state = parts.module.state_dict()
+    untouched = not parts.optimizer.state  # no update applied yet (fp16 may skip the first steps)
     optim_state = get_optimizer_state_dict(parts.module, parts.optimizer)
+    if untouched:
+        # DCP fills an empty optimizer by taking a step at lr 0 (AdamW's step count becomes 1, and
+        # bias correction would differ from a run that never saved): undo that, save it empty.
+        parts.optimizer.state.clear()
+        optim_state["state"] = {}
     tensors = {f"model/{k}": v.detach() for k, v in model_state.items()}
     leftovers: dict[str, dict[str, Any]] = {}
     for fqn, entries in optim_state["state"].items():
@@ -51,7 +57,7 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
     # Each tensor exists on every rank (DDP keeps replicas): DCP writes each one once.
     dcp.save({k: v.cpu() for k, v in tensors.items()}, storage_writer=FileSystemWriter(folder / TENSORS),
              no_dist=parts.world_size == 1)
-    _save_rng(folder / f"rng-rank{parts.rank}.safetensors")
+    _save_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
     meta = {
         "step": position.step,
         "epoch": position.epoch,
@@ -61,6 +67,7 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
     if parts.rank == 0:
         trainer = {
             **meta,
+            "unscheduled_skips": position.unscheduled_skips,
             "optimizer": {"param_groups": optim_state["param_groups"], "state": leftovers},
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(),
@@ -91,18 +98,19 @@ def load(folder: Path, parts: Parts) -> Position:
             optim_entries.setdefault(fqn, {})[name] = placeholder
     dcp.load(tensors, storage_reader=reader, no_dist=parts.world_size == 1)  # in place
 
-    device = next(parts.module.parameters()).device
-    optim_state = {
-        "state": {fqn: {n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in entries.items()}
-                  for fqn, entries in optim_entries.items()},
-        "param_groups": trainer["optimizer"]["param_groups"],
-    }
+    # The tensors stay on the CPU as read: Optimizer.load_state_dict moves each to where the optimizer
+    # keeps it — moments beside their parameter, AdamW's `step` on the CPU (unless fused/capturable),
+    # where reading it costs no device sync.
+    optim_state = {"state": optim_entries, "param_groups": trainer["optimizer"]["param_groups"]}
     set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
+    if not optim_entries:
+        parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
     parts.scheduler.load_state_dict(trainer["scheduler"])
     if trainer["scaler"]:
         parts.scaler.load_state_dict(trainer["scaler"])
-    _load_rng(folder / f"rng-rank{parts.rank}.safetensors")
-    return Position(step=trainer["step"], epoch=trainer["epoch"])
+    _load_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
+    return Position(step=trainer["step"], epoch=trainer["epoch"],
+                    unscheduled_skips=trainer.get("unscheduled_skips", 0))
 
 
 def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:
@@ -138,7 +146,13 @@ def _check_model(folder: Path, metadata: Metadata, module: nn.Module) -> None:
 # --- RNG states -----------------------------------------------------------------------------------
 
 
-def _save_rng(path: Path) -> None:
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters(), torch.empty(0)).device
+
+
+def _save_rng(path: Path, device: torch.device) -> None:
+    """This rank's RNG states; on a GPU, that of the device the rank computes on (and no other: a
+    rank's draws on its own GPU are the only ones a resume must repeat)."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     tensors = {
@@ -146,16 +160,15 @@ def _save_rng(path: Path) -> None:
         "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
         "python_state": torch.tensor(py_state, dtype=torch.int64),
     }
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = state
+    if device.type == "cuda":
+        tensors["cuda"] = torch.cuda.get_rng_state(device)
     metadata = {"numpy": json.dumps([np_kind, np_pos, np_has_gauss, np_gauss]),
                 "python": json.dumps([py_version, py_gauss])}
     save_file(tensors, str(path), metadata=metadata)
     fsync_file(path)
 
 
-def _load_rng(path: Path) -> None:
+def _load_rng(path: Path, device: torch.device) -> None:
     from safetensors import safe_open
 
     tensors = load_file(str(path))
@@ -167,9 +180,8 @@ def _load_rng(path: Path) -> None:
                          np_gauss))
     py_version, py_gauss = json.loads(metadata["python"])
     random.setstate((py_version, tuple(tensors["python_state"].tolist()), py_gauss))
-    cuda = sorted(k for k in tensors if k.startswith("cuda_"))
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda][: torch.cuda.device_count()])
+    if device.type == "cuda" and "cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["cuda"], device)
 
 
 # --- reading DCP's metadata without unrestricted pickle ------------------------------------------------

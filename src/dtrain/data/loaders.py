@@ -72,20 +72,34 @@ class EvalBatches:
                  device: torch.device):
         self.indices = eval_shard(len(dataset), rank, world_size)
         self.batch_size = data.eval_batch_size
-        self._source = _source_for(dataset, data, device)
+        if _is_pair_of_tensors(dataset):
+            # This rank only ever reads its own shard: only that is copied to the device.
+            shard = TensorDataset(*(t[self.indices] for t in dataset.tensors))
+            self.indices = torch.arange(len(self.indices))
+            self._source = _TensorSource(shard, data.on_device, device)
+        else:
+            self._source = _LoaderSource(dataset, data, device)
 
     def __iter__(self) -> Iterator[Batch]:
         return self._source.batches(self.indices, self.batch_size)
 
 
+def _is_pair_of_tensors(dataset: Dataset) -> bool:
+    return isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2
+
+
 def _source_for(dataset: Dataset, data: DataConfig, device: torch.device):
-    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+    if _is_pair_of_tensors(dataset):
         return _TensorSource(dataset, data.on_device, device)
     return _LoaderSource(dataset, data, device)
 
 
 class _TensorSource:
-    """Gathers batches from tensors by index, in one call per tensor."""
+    """Gathers batches from tensors by index, in one call per tensor.
+
+    With `on_device` the tensors are held on the training device. For training that is the whole set:
+    DistributedSampler reshuffles every epoch, so each rank draws from all of it over a run.
+    """
 
     def __init__(self, dataset: TensorDataset, on_device: bool, device: torch.device):
         self.device = device
