@@ -190,6 +190,8 @@ def worker(variant: str, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())  # as dtrain binds it: collectives and contexts on this GPU only
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     images, labels = make_data()
     # dtrain's run directories go beside the result file, which the parent removes afterwards.

@@ -52,13 +52,15 @@ def precision_problem(name: str, device_type: str, gpu_name: str = "", capabilit
 def precision_for(name: str, device: torch.device, tf32: bool = True) -> Precision:
     """The autocast context and grad scaler for `training.precision` on `device`, or a clear refusal.
 
-    On a GPU this also sets how fp32 matmuls run: TF32 tensor cores when `tf32` (torch's default is
-    true FP32, several times slower on Ampere and newer), full FP32 otherwise.
+    On a GPU this also sets how fp32 matmuls and convolutions run: TF32 tensor cores when `tf32`
+    (torch's default for matmuls is true FP32, several times slower on Ampere and newer), full FP32
+    otherwise.
     """
     if device.type == "cuda":
         problem = precision_problem(name, "cuda", torch.cuda.get_device_name(device),
                                     torch.cuda.get_device_capability(device), rocm=torch.version.hip is not None)
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32  # convolutions: torch's default is TF32 already
     else:
         problem = precision_problem(name, device.type)
     if problem:

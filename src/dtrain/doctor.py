@@ -37,7 +37,8 @@ ENV_MEANINGS = {
     "NCCL_IB_DISABLE": "1 turns InfiniBand off for NCCL (slow across nodes)",
     "NCCL_P2P_DISABLE": "1 turns GPU peer-to-peer off (slow within a node)",
     "TORCH_DISTRIBUTED_DEBUG": "collective checking (DETAIL checks shapes across ranks)",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "NCCL flight recorder size (dumped on timeouts)",
+    "TORCH_FR_BUFFER_SIZE": "flight recorder size: the last collectives kept (dtrain dumps them on a hang)",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "the flight recorder size under its old name (torch before 2.7)",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "what NCCL does with a failed collective",
 }
 
@@ -48,6 +49,7 @@ def environment_report() -> tuple[list[str], list[str]]:
     import torch.distributed as dist
 
     from . import __version__, netaddr
+    from .amp import precision_problem
     from .distributed import available_cores
 
     lines, problems = [], []
@@ -60,8 +62,12 @@ def environment_report() -> tuple[list[str], list[str]]:
         lines.append(f"CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s):")
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            lines.append(f"  cuda:{i} {props.name}, {props.total_memory / 2**30:.0f} GiB, "
-                         f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+            # Per device, and native only: torch.cuda.is_bf16_supported() asks about the current
+            # device and counts emulation (V100, T4) as support.
+            native = precision_problem("bf16", "cuda", props.name, (props.major, props.minor),
+                                       rocm=torch.version.hip is not None) is None
+            lines.append(f"  cuda:{i} {props.name}, sm_{props.major}{props.minor}, "
+                         f"{props.total_memory / 2**30:.0f} GiB, bf16 {'yes' if native else 'emulated only'}")
     else:
         lines.append(f"CUDA: none visible ({'CPU build of torch' if torch.version.cuda is None else 'no GPU'}): "
                      f"dtrain uses gloo on the CPU")

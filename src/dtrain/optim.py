@@ -24,12 +24,12 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
 
 
 def implementation_options(name: str, device: torch.device) -> dict[str, bool]:
-    """On CUDA, torch's fused kernels: one launch for all parameters, faster than the default
-    multi-tensor path, and GradScaler hands them its inf check on the device, where the other paths
-    read it on the host every step. Elsewhere torch's default (the CPU numbers stay those of a plain
-    torch.optim loop, which the parity tests compare against)."""
-    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
-    if device.type == "cuda" and "fused" in inspect.signature(cls.__init__).parameters:
+    """AdamW on CUDA uses torch's fused kernel: one launch for all parameters, faster than the default
+    multi-tensor path, and GradScaler hands it its inf check on the device, where the other paths
+    read it on the host every step. SGD is never fused: torch's fused SGD fills its momentum buffers
+    with uninitialised memory on a step GradScaler skips. Elsewhere torch's default (the CPU numbers
+    stay those of a plain torch.optim loop, which the parity tests compare against)."""
+    if name == "adamw" and device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
         return {"fused": True}
     return {}
 

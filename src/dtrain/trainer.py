@@ -169,15 +169,31 @@ class Trainer:
         dc, device = self.config.distributed, self.session.device
         if dc.comm_hook != "none":
             register_compression_hook(self.model, dc.comm_hook, self.session.backend)
-            self.timer.comm_source = ddp_exposed_comm(self.model)
+        else:
+            self.shared_memory = self._share_gradients_in_memory()
+            if self.shared_memory is not None:
+                self.shared_memory.timer = self.timer
+                return
+            if device.type == "cpu" and self.config.monitor.breakdown:
+                self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
+                return
+        self.timer.comm_source = ddp_exposed_comm(self.model)
+        self._mark_gradient_wait()
+
+    def _mark_gradient_wait(self) -> None:
+        """Tell the hang watchdog when backward is done and DDP waits for the gradient all-reduce, where
+        no hook of dtrain's reports it: the first parameter's gradient is, in the usual layer order,
+        the last to arrive. Without this, a rank waiting for a stalled peer would look stalled too."""
+        first = next((p for p in self.module.parameters() if p.requires_grad), None)
+        if first is None:
             return
-        self.shared_memory = self._share_gradients_in_memory()
-        if self.shared_memory is not None:
-            self.shared_memory.timer = self.timer
-        elif device.type == "cuda":
-            self.timer.comm_source = ddp_exposed_comm(self.model)
-        elif self.config.monitor.breakdown:
-            self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
+        model, progress = self.model, self.timer.progress
+
+        def backward_over(_: torch.Tensor) -> None:
+            if model.require_backward_grad_sync:  # not on accumulation micro-batches: no all-reduce
+                progress.at("gradient all-reduce")
+
+        first.register_post_accumulate_grad_hook(backward_over)
 
     def _count_flops(self) -> float | None:
         """Training FLOPs per sample, counted once on a meta-device copy of one micro-batch."""
@@ -335,7 +351,9 @@ class Trainer:
             # fp16: true gradients before clipping, and (on the device) whether GradScaler skips
             # this step because they overflowed.
             scaler.unscale_(optimizer)
-            self.metrics.skipped_sum += self.precision.found_inf(optimizer)
+            found_inf = self.precision.found_inf(optimizer)
+            if found_inf is not None:  # None: no gradient at all (GradScaler.step says so next)
+                self.metrics.skipped_sum += found_inf
         if self.config.training.max_grad_norm > 0:
             self.metrics.add_grad_norm(nn.utils.clip_grad_norm_(self.module.parameters(),
                                                                 self.config.training.max_grad_norm))
@@ -430,8 +448,9 @@ class Trainer:
         return record
 
 
-# How DDP says that ranks disagree about the parameters: their number, or a shape.
-_MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match sizes of the same param")
+# How DDP says that ranks disagree about the parameters: their number, a shape, a layout.
+_MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match sizes of the same param",
+                   "appears not to match strides of the same param")
 
 
 def _forward(model: nn.Module, inputs: Any) -> torch.Tensor:

@@ -83,7 +83,8 @@ class HangWatch:
                      f"{self.progress.phase}, no progress for {self.timeout_s:g} s\n\n")
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
-        dump_flight_recorder(self.diagnostics / f"flight-recorder-rank-{self.rank}")
+        dump_flight_recorder(self.diagnostics / f"flight-recorder-rank-{self.rank}",
+                             dist.get_backend() if dist.is_initialized() else "")
         from .job import report  # here: job imports the trainer, which imports this module
 
         report(self._describe(), self.rank, traceback_text=None)
@@ -127,12 +128,13 @@ class HangWatch:
         return seen
 
 
-def dump_flight_recorder(path: Path) -> bool:
-    """Write torch's flight recorder (the last collectives of every process group, in the pickle format
-    torch's fr_trace analyser reads) to `path`. False where this torch build has no recorder to dump
-    (torch before 2.7 has it only in CUDA builds, as _dump_nccl_trace)."""
+def dump_flight_recorder(path: Path, backend: str) -> bool:
+    """Write torch's flight recorder (the last collectives, in the pickle format torch's fr_trace
+    analyser reads) to `path`. nccl keeps its own recorder, read by _dump_nccl_trace (CUDA builds);
+    gloo's is read by _dump_fr_trace (torch 2.7 and later). False where there is nothing to dump."""
     c10d = getattr(torch._C, "_distributed_c10d", None)
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    names = ("_dump_nccl_trace", "_dump_fr_trace") if backend == "nccl" else ("_dump_fr_trace",)
+    dump = next((getattr(c10d, name) for name in names if hasattr(c10d, name)), None)
     if dump is None:
         return False
     try:

@@ -33,6 +33,7 @@ from .store import CheckpointError
 
 TENSORS = "state"
 TRAINER = "trainer.json"
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
@@ -101,7 +102,12 @@ def load(folder: Path, parts: Parts) -> Position:
     # The tensors stay on the CPU as read: Optimizer.load_state_dict moves each to where the optimizer
     # keeps it — moments beside their parameter, AdamW's `step` on the CPU (unless fused/capturable),
     # where reading it costs no device sync.
-    optim_state = {"state": optim_entries, "param_groups": trainer["optimizer"]["param_groups"]}
+    groups = trainer["optimizer"]["param_groups"]
+    for saved, live in zip(groups, parts.optimizer.param_groups):
+        # How the optimizer computes is this run's choice (fused on CUDA, not on the CPU), not the
+        # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
+        saved.update({key: live[key] for key in _IMPLEMENTATION if key in live})
+    optim_state = {"state": optim_entries, "param_groups": groups}
     set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
     if not optim_entries:
         parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
@@ -180,8 +186,10 @@ def _load_rng(path: Path, device: torch.device) -> None:
                          np_gauss))
     py_version, py_gauss = json.loads(metadata["python"])
     random.setstate((py_version, tuple(tensors["python_state"].tolist()), py_gauss))
-    if device.type == "cuda" and "cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["cuda"], device)
+    # Checkpoints before 0.2 kept every visible GPU's state as cuda_<i>.
+    state = tensors.get("cuda", tensors.get(f"cuda_{device.index}")) if device.type == "cuda" else None
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
 
 
 # --- reading DCP's metadata without unrestricted pickle ------------------------------------------------
