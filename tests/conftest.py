@@ -4,3 +4,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # helpers.py, and the user-style modules under workers/ that configs reference as 'module:function'.
 sys.path[:0] = [str(HERE), str(HERE / "workers")]
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+# DTRAIN_REQUIRE_FULL=1 (CI sets it where the machine allows root and network namespaces): a test
+# that skips fails instead, so a suite that quietly stopped testing something cannot pass. A skip that
+# only says "this machine is of the other kind" (a GPU machine skipping a no-GPU check) is marked
+# `machine_kind` and stays a skip.
+REQUIRE_FULL = os.environ.get("DTRAIN_REQUIRE_FULL") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_FULL and report.skipped and not item.get_closest_marker("machine_kind"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and DTRAIN_REQUIRE_FULL=1 forbids skips: {reason}"

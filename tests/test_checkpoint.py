@@ -1,6 +1,7 @@
 """Checkpoints, exact resume, crashes, preemption, and what must be refused — with real processes."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -42,9 +43,10 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory):
-    """The same job with a checkpoint every 10 steps (kept: step-10, -20, -30, -39)."""
+    """The same job with a checkpoint every 10 steps and the default checkpoint.keep (3): step-10 is
+    written, then pruned; step-20, -30, -39 are kept."""
     run_dir = tmp_path_factory.mktemp("checkpointed")
-    ok(run_job(run_dir, "checkpoint.every_steps=10", "checkpoint.keep=5"))
+    ok(run_job(run_dir, "checkpoint.every_steps=10"))
     return run_dir
 
 
@@ -61,14 +63,19 @@ def test_stop_and_resume_is_bitwise_equal_in_every_situation(tmp_path):
     ok(torchrun(WORKERS / "resume_scenarios.py", tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == {"mid_epoch", "epoch_boundary", "accumulation", "bf16", "adamw"}
+    stops = {"mid_epoch": 7, "epoch_boundary": 10, "accumulation": 5, "bf16": 13, "adamw": 6}
     for name, result in results.items():
+        assert result["stopped_at"] == result["resumed_at"] == stops[name], name
+        whole, first, second = result["forwards"]
+        assert first > 0 and second > 0 and first + second == whole, f"{name}: {result['forwards']}"
         assert result["equal"], f"{name}: resumed run ended with different weights"
-        assert result["checkpoints"] == [f"step-{result['stopped_at']}"], name
+        assert result["checkpoints"] == [f"step-{stops[name]}"], name
 
 
 def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
     store = CheckpointStore(checkpointed)
-    assert [c.step for c in store.complete()] == [10, 20, 30, 39]
+    assert [c.step for c in store.complete()] == [20, 30, 39]  # keep = 3: the oldest went
+    assert sorted(p.name for p in store.root.iterdir()) == ["step-20", "step-30", "step-39"]
     meta = json.loads((checkpointed / "checkpoints" / "step-39" / MARKER).read_text())
     assert meta["world_size"] == 2 and meta["step"] == 39
     assert {"trainer.json", "rng-rank0.safetensors", "rng-rank1.safetensors", "state/.metadata"} <= set(meta["files"])
@@ -82,7 +89,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(reference, tmp_p
     # Rank 1 dies by SIGKILL in its 23rd training forward pass (step 23); checkpoints every 5 steps.
     result = ok(run_job(tmp_path, "--max-restarts", "1", "checkpoint.every_steps=5",
                         model_extra=", die_at_forward = 23, die_rank = 1"))
-    assert "resumed from" in result.stderr and "step-20" in result.stderr
+    # The restarted group's own line (a first attempt never prints one): it continued from step 20.
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), \
+        result.stderr
     assert_same_weights(reference, tmp_path)
 
 
@@ -201,6 +210,21 @@ def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused
     run_dir = copy_run(checkpointed, tmp_path / "run")
     refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)",
             "--resume")
+
+
+def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
+    """Steps of 5 s and checkpoint.preempt_grace_s = 1: torchrun does not wait for the step (and its
+    checkpoint) to finish, it kills the workers when the grace ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % ", step_sleep_s = 5.0",
+                             "--nproc", "2", f"run.dir={tmp_path}", "checkpoint.preempt_grace_s=1"],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_steps(tmp_path) >= 1, what="the first step")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert time.monotonic() - start < 4.5, err  # the grace, not the 5 s step
+    assert proc.returncode == 75, err
+    assert CheckpointStore(tmp_path).complete() == []  # the step never finished: no checkpoint
 
 
 def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):

@@ -51,6 +51,7 @@ def test_no_launcher_is_one_process():
         detect_env({"RANK": "x", "WORLD_SIZE": "2"})
 
 
+@pytest.mark.machine_kind
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-GPU answer")
 def test_backend_choice_without_gpus():
     assert distributed.resolve_backend("auto") == "gloo"

@@ -26,6 +26,20 @@ def test_parity_with_a_plain_ddp_loop(shared):
     assert results["parity_used_shared_memory"]  # dtrain's CPU all-reduce, against gloo's
     for step, (a, b) in enumerate(zip(ours, plain), start=1):
         assert abs(a - b) <= 1e-6, f"step {step}: dtrain {a} vs plain DDP {b}"
+    assert results["parity_weights_equal_plain"]  # and the very same final weights
+
+
+def test_the_shared_memory_average_is_bitwise_equal_to_gloos_at_two_ranks(shared):
+    _, results = shared
+    assert results["parity_used_shared_memory"] and not results["gloo_used_shared_memory"]
+    assert results["gloo_weights_equal_shared_memory"]
+
+
+def test_static_graph_and_find_unused_parameters_train(shared):
+    out, results = shared
+    assert results["static_graph_set"] and results["static_weights_equal"]
+    losses = [m["loss"] for m in train_lines(out / "unused")]
+    assert losses[-1] < 0.8 * losses[0] and results["unused_extra_unchanged"]
 
 
 def test_dataloader_path_takes_the_same_steps(shared):
@@ -102,6 +116,7 @@ def test_bf16_autocast_on_cpu_runs_and_learns(shared):
     assert lines[-1]["loss"] < 0.6 * lines[0]["loss"]
     assert results["bf16"]["eval_accuracy"] > 0.7  # chance is 0.25
     assert all(0 < m["grad_norm"] < 1e3 for m in lines)  # clipping on: the norm is logged
+    assert results["bf16_output_dtype"] == "torch.bfloat16"  # the forward really ran in bf16
 
 
 def test_fp16_on_cpu_is_refused_clearly(tmp_path):
@@ -156,6 +171,11 @@ def test_the_main_job(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [m["step"] for m in lines]
+    # The same values, not only the same steps (TensorBoard keeps float32).
+    for tag, key, records in (("train/loss", "loss", lines), ("train/lr", "lr", lines),
+                              ("time/comm_ms", "comm_ms", lines), ("eval/loss", "eval_loss", eval_lines(run_dir)),
+                              ("eval/accuracy", "eval_accuracy", eval_lines(run_dir))):
+        assert [e.value for e in events.Scalars(tag)] == pytest.approx([m[key] for m in records], rel=1e-6), tag
     assert events.Scalars("eval/accuracy")[-1].value == pytest.approx(final["eval_accuracy"], rel=1e-6)
 
     # The saved weights are the trained model: they reproduce the logged accuracy.

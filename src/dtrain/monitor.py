@@ -17,6 +17,7 @@ TB_TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
+    "skipped_steps": "train/skipped_steps",  # fp16: steps GradScaler skipped in the window
     "samples_per_s": "train/samples_per_s",
     "eval_loss": "eval/loss",
     "eval_accuracy": "eval/accuracy",

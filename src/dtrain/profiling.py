@@ -14,11 +14,13 @@ class StepProfiler:
         self.rank = rank
         self.cuda = cuda
         self._profiler = None
+        self._step_range = None  # the open "dtrain step N" range: each step is labelled in the trace
 
     def before_step(self, step: int) -> None:
         """Start before the first step of the range, stop (and write) before the one after it."""
         if self.steps is None:
             return
+        self._end_step_range()
         first, last = self.steps
         if self._profiler is None and first <= step <= last:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -28,10 +30,20 @@ class StepProfiler:
             self._profiler.start()
         elif self._profiler is not None and step > last:
             self.close()
+            return
+        if self._profiler is not None:
+            self._step_range = torch.profiler.record_function(f"dtrain step {step}")
+            self._step_range.__enter__()
+
+    def _end_step_range(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
 
     def close(self) -> None:
         if self._profiler is None:
             return
+        self._end_step_range()
         self._profiler.stop()
         self.out.mkdir(parents=True, exist_ok=True)
         # A Chrome trace: opens in Perfetto, and in TensorBoard's profiler (tensorboard --logdir profile).

@@ -4,8 +4,9 @@
 
 Each variant trains three times in the same group: uninterrupted, stopped at `stop` (with a
 checkpoint, as `training.stop_at_step` does), and resumed from that checkpoint by a fresh Trainer
-with a fresh model. Rank 0 writes OUT_DIR/results.json: per variant, whether the final weights are
-bitwise equal and where training stood when it resumed.
+with a model initialised differently (so a Trainer that silently started afresh could not end equal).
+Rank 0 writes OUT_DIR/results.json: per variant, whether the final weights are bitwise equal, the
+step the resumed Trainer started from, and how many training forward passes each part made.
 """
 
 import json
@@ -46,8 +47,8 @@ def config(run_dir: Path, overrides: dict, **training) -> dtrain.Config:
     return dtrain.Config.from_dict(raw)
 
 
-def model() -> torch.nn.Module:
-    torch.manual_seed(11)
+def model(seed: int = 11) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return DyingMLP((12,), 3, hidden_size=32, dropout=0.2)  # dropout: the RNG state matters
 
 
@@ -58,16 +59,24 @@ def main(out: Path) -> None:
     data = TensorDataset(x, (x[:, :3].argmax(1)))
     results = {}
     for name, (overrides, stop) in VARIANTS.items():
-        dtrain.Trainer(config(out / name / "unbroken", overrides), model=model(), train_data=data).fit()
+        unbroken = dtrain.Trainer(config(out / name / "unbroken", overrides), model=model(), train_data=data)
+        unbroken.fit()
         broken = out / name / "broken"
         first = dtrain.Trainer(config(broken, overrides, stop_at_step=stop), model=model(), train_data=data)
         first.fit()
-        second = dtrain.Trainer(config(broken, overrides), model=model(), train_data=data)
+        # Trainer.fit() resumes by itself (checkpoint.resume = auto), into a differently seeded model.
+        second = dtrain.Trainer(config(broken, overrides), model=model(seed=99), train_data=data)
+        second.setup()
+        resumed_at = second.step
         second.fit()
         w1 = load_file(str(out / name / "unbroken" / "model.safetensors"))
         w2 = load_file(str(broken / "model.safetensors"))
         results[name] = {
             "stopped_at": first.step,
+            "resumed_at": resumed_at,
+            "total_steps": unbroken.step,
+            # Training forward passes (micro-batches) each part made: the resumed one only the rest.
+            "forwards": [unbroken.module.forwards, first.module.forwards, second.module.forwards],
             "equal": all(torch.equal(w1[k], w2[k]) for k in w1),
             "checkpoints": sorted(p.name for p in (broken / "checkpoints").iterdir()),
         }

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 import dtrain
 from dtrain.models import mlp
+from faults import WithUnused
 
 SEED = 7
 N_TRAIN = 203  # neither the world size nor the batch divides it: padding and a partial last batch
@@ -54,8 +55,9 @@ def fresh_model() -> torch.nn.Module:
     return mlp((20,), 4, hidden_size=32)
 
 
-def plain_ddp_losses(train: TensorDataset) -> list[float]:
-    """The guide's recipe written by hand: DistributedSampler(seed), set_epoch, DDP, SGD."""
+def plain_ddp_run(train: TensorDataset) -> tuple[list[float], torch.nn.Module]:
+    """The guide's recipe written by hand: DistributedSampler(seed), set_epoch, DDP, SGD. Returns the
+    per-step losses and the trained model."""
     model = DDP(fresh_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sampler = DistributedSampler(train, shuffle=True, seed=SEED)
@@ -71,7 +73,12 @@ def plain_ddp_losses(train: TensorDataset) -> list[float]:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / dist.get_world_size())
-    return losses
+    return losses, model.module
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 class MapStyle(Dataset):
@@ -92,12 +99,36 @@ def shared(out: Path) -> None:
     train, held_out = data(N_TRAIN, 0), data(101, 1)  # 101: odd, so ranks evaluate 51 and 50
     results: dict = {}
 
-    # Parity: same per-step losses as the plain loop (also the run whose step breakdown is checked).
-    results["plain_losses"] = plain_ddp_losses(train)
+    # Parity: same per-step losses and final weights as the plain loop (also the run whose step
+    # breakdown is checked).
+    results["plain_losses"], plain_model = plain_ddp_run(train)
     trainer = dtrain.Trainer(config(out / "parity"), model=fresh_model(), train_data=train, eval_data=held_out)
     trainer.fit()
     results["group_alive_after_user_owned_fit"] = dist.is_initialized()
     results["parity_used_shared_memory"] = trainer.shared_memory is not None
+    results["parity_weights_equal_plain"] = same_weights(trainer.module, plain_model)
+
+    # The shared-memory average is bitwise gloo's at 2 ranks: the same run with gloo's all-reduce.
+    over_gloo = dtrain.Trainer(config(out / "gloo", {"distributed": {"shared_memory_allreduce": False}}),
+                               model=fresh_model(), train_data=train)
+    over_gloo.fit()
+    results["gloo_used_shared_memory"] = over_gloo.shared_memory is not None
+    results["gloo_weights_equal_shared_memory"] = same_weights(over_gloo.module, trainer.module)
+
+    # DDP's static_graph changes how it schedules the all-reduce, never the numbers.
+    static = dtrain.Trainer(config(out / "static", {"distributed": {"static_graph": True}}), model=fresh_model(),
+                            train_data=train)
+    static.fit()
+    results["static_graph_set"] = bool(static.model.static_graph)
+    results["static_weights_equal"] = same_weights(static.module, trainer.module)
+
+    # A model with a layer the forward pass never uses trains with find_unused_parameters=true.
+    torch.manual_seed(SEED)
+    unused = WithUnused((20,), 4)
+    extra_before = unused.extra.weight.detach().clone()
+    dtrain.Trainer(config(out / "unused", {"distributed": {"find_unused_parameters": True}}), model=unused,
+                   train_data=train).fit()
+    results["unused_extra_unchanged"] = torch.equal(unused.extra.weight.detach(), extra_before)
 
     # Exact eval: the 2-rank figure equals one process evaluating everything.
     results["eval_2_ranks"] = trainer.evaluate()
@@ -148,6 +179,8 @@ def shared(out: Path) -> None:
                                  max_grad_norm=1.0, log_every=5),
                           model=fresh_model(), train_data=data(800, 2), eval_data=data(200, 3))
     results["bf16"] = bf16.fit()
+    with bf16.precision.autocast():  # the forward really computes in bf16
+        results["bf16_output_dtype"] = str(bf16.module(train.tensors[0][:4]).dtype)
     results["threads"] = torch.get_num_threads()
 
     # torch's compression hooks take DDP's slot instead of the shared-memory average, and train.

@@ -1,0 +1,244 @@
+"""Promises the README makes that the other tests do not reach: the restricted unpickler, no host read
+inside the step, MFU against monitor.peak_tflops, the progress bar on a terminal, DataLoader workers,
+eval_every, Ctrl-C, `dtrain config` and doctor's warnings — each with real files, processes or a pty."""
+
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import dtrain
+from dtrain.checkpoint.store import CheckpointError
+from dtrain.checkpoint.tensors import SafeReader
+from dtrain.config import all_keys
+from helpers import ROOT, TIMEOUT, dtrain as dtrain_cli, env, eval_lines, metrics, ok, train_lines
+
+IN, HIDDEN, OUT = 12, 32, 3
+
+
+def data(n=160, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    return TensorDataset(x, x[:, :OUT].argmax(1))
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def config(run_dir, **sections):
+    raw = {"run": {"dir": str(run_dir)}, "data": {"batch_size": 16},
+           "optimizer": {"name": "sgd", "lr": 0.1}, "training": {"epochs": 2, "log_every": 5}}
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return dtrain.Config.from_dict(raw)
+
+
+# --- checkpoints are read without unrestricted pickle ----------------------------------------------
+
+
+class Payload:
+    """What a malicious checkpoint would carry: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_the_checkpoint_reader_refuses_a_pickle_that_would_run_code(tmp_path):
+    dtrain.Trainer(config(tmp_path / "run", training={"stop_at_step": 3}), model=model(), train_data=data()).fit()
+    state = tmp_path / "run" / "checkpoints" / "step-3" / "state"
+    assert SafeReader(state).read_metadata().state_dict_metadata  # the real metadata reads fine
+    marker = tmp_path / "pwned"
+    (state / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"is not DCP metadata dtrain can trust \(unexpected object "
+                                              r"(posix|os)\.system\)"):
+        SafeReader(state).read_metadata()
+    assert not marker.exists()  # nothing ran
+
+
+# --- no host read inside the step -----------------------------------------------------------------
+
+
+def test_the_training_step_never_reads_a_value_back_to_the_host(tmp_path, monkeypatch):
+    """Every way Python code can pull a tensor's value to the host is counted while a step runs
+    (between log steps): none may happen. Log steps read once, outside the step. The one exception is
+    by torch's design: AdamW's step counter lives on the host (unless fused), so reading it waits for
+    nothing — which is why a resume must leave it there."""
+    inside = {"step": False}
+    reads = []
+    trainer = dtrain.Trainer(config(tmp_path, training={"max_grad_norm": 1.0, "grad_accum_steps": 2},
+                                    optimizer={"name": "adamw", "lr": 1e-3}),
+                             model=model(), train_data=data())
+
+    def host_counter(tensor):
+        setup = getattr(trainer, "optimizer", None)
+        return setup is not None and any(s.get("step") is tensor for s in setup.state.values())
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if inside["step"] and not host_counter(self):
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    step = trainer._train_step
+
+    def watched(micro_batches):
+        inside["step"] = True
+        try:
+            step(micro_batches)
+        finally:
+            inside["step"] = False
+
+    trainer._train_step = watched
+    trainer.fit()
+    assert trainer.step == 10 and reads == []
+
+
+# --- MFU against monitor.peak_tflops ---------------------------------------------------------------
+
+
+def test_mfu_is_reported_against_the_peak_the_user_gives(tmp_path):
+    trainer = dtrain.Trainer(config(tmp_path, monitor={"peak_tflops": 0.5}), model=model(), train_data=data())
+    trainer.fit()
+    # The MLP's training FLOPs per sample, by hand: the first layer's forward and weight gradient
+    # (its input needs no gradient), the second's forward, input and weight gradients; 2 per MAC.
+    flops = 2 * IN * HIDDEN * 2 + 2 * HIDDEN * OUT * 3
+    for m in train_lines(tmp_path):
+        assert m["flops_per_sample"] == flops
+        assert m["mfu"] == pytest.approx(flops * m["samples_per_s"] / 0.5e12, rel=1e-9)
+
+
+# --- the progress bar on a terminal, plain lines elsewhere -----------------------------------------
+
+
+JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=300", "data.input_shape=[12]",
+       "data.num_classes=3", "data.batch_size=16", "training.epochs=2", "training.log_every=5",
+       "model.hidden_size=16"]
+
+
+def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_lines(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    piped = ok(dtrain_cli("run", *JOB, f"run.dir={tmp_path / 'piped'}"))
+    assert "\r" not in piped.stderr and re.search(r"^step 5 \| epoch 0 \| loss ", piped.stderr, re.M)
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'tty'}"],
+                            cwd=ROOT, env=env(), stdin=secondary, stdout=secondary,
+                            stderr=secondary)
+    os.close(secondary)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert proc.wait(timeout=TIMEOUT) == 0, screen.decode(errors="replace")
+    text = screen.decode(errors="replace")
+    assert "\r" in text and re.search(r"\d+/30 \[", text)  # tqdm redrawing "n/total [elapsed<left"
+    assert not re.search(r"^step 5 \| epoch 0", text, re.M)  # train lines go into the bar, not the screen
+
+
+# --- DataLoader workers, eval_every ----------------------------------------------------------------
+
+
+class MapStyle(Dataset):
+    def __init__(self, tensors):
+        self.x, self.y = tensors.tensors
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_dataloader_workers_persist_and_take_the_same_steps(tmp_path):
+    workers = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 3}
+    with_workers = dtrain.Trainer(config(tmp_path / "workers", data=workers), model=model(),
+                                  train_data=MapStyle(data()))
+    with_workers.fit()
+    in_memory = dtrain.Trainer(config(tmp_path / "tensors"), model=model(), train_data=data())
+    in_memory.fit()
+    assert [m["loss"] for m in train_lines(tmp_path / "workers")] == \
+        [m["loss"] for m in train_lines(tmp_path / "tensors")]
+    (loader, _), = with_workers.train_batches._source._loaders.values()
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+    assert loader.pin_memory is False  # pinning helps copies to a GPU only; this run has none
+
+
+def test_eval_every_evaluates_those_epochs_and_the_last(tmp_path):
+    dtrain.Trainer(config(tmp_path, training={"epochs": 5, "eval_every": 2}), model=model(), train_data=data(),
+                   eval_data=data(40, 1)).fit()
+    assert [m["epoch"] for m in eval_lines(tmp_path)] == [2, 4, 5]
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_ends_the_job_with_status_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, "training.epochs=50",
+                             "model.name=faults:dying_mlp", "model.options={step_sleep_s = 0.05}", "--nproc", "2",
+                             f"run.dir={tmp_path}"], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = TIMEOUT
+    while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text():
+        assert proc.poll() is None and deadline > 0, proc.communicate()
+        deadline -= 0.05
+        __import__("time").sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 130, err
+
+
+# --- dtrain config through the command line ------------------------------------------------------
+
+
+def test_dtrain_config_prints_the_resolved_config_and_the_reference():
+    resolved = tomllib.loads(ok(dtrain_cli("config", "examples/digits_mlp.toml", "training.epochs=3")).stdout)
+    assert resolved["training"]["epochs"] == 3 and resolved["optimizer"]["lr"] == 0.2  # file, then override
+    assert resolved["data"]["batch_size"] == 64
+    reference = ok(dtrain_cli("config", "--reference")).stdout.splitlines()
+    keys = [line.split("`")[1] for line in reference[2:]]
+    assert reference[0] == "| key | default | meaning |" and keys == all_keys()
+
+
+# --- doctor's warnings ----------------------------------------------------------------------------
+
+
+def test_doctor_warns_about_too_many_threads():
+    result = dtrain_cli("doctor", extra_env={"OMP_NUM_THREADS": "512"})
+    assert result.returncode == 1
+    assert re.search(r"OMP_NUM_THREADS=512 exceeds the \d+ core\(s\) this process may use", result.stdout)
+
+
+def test_doctor_warns_about_a_small_dev_shm():
+    """/dev/shm replaced by a 64 MiB tmpfs, in a mount namespace of the doctor's own."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (util-linux) for a private mount namespace")
+    command = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m dtrain doctor")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=env(), capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 1, result.stderr
+    assert "/dev/shm has only 64 MiB free" in result.stdout and "--shm-size=8g" in result.stdout
