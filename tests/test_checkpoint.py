@@ -187,7 +187,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
     # The fix the message gives works: step-30 loads, and the run ends bitwise where it should.
     shutil.rmtree(run_dir / "checkpoints" / "step-39")
     resumed = ok(run_job(run_dir, "--resume"))
-    assert "step-30" in resumed.stderr
+    assert re.search(r"^resumed from \S+/checkpoints/step-30 \(step 30 of 39, epoch 2\)$", resumed.stderr, re.M)
     assert_same_weights(reference, run_dir)
 
 
@@ -267,4 +267,5 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp
     # The surviving checkpoint loads: resume it on a disk with room.
     moved = copy_run(run_dir, tmp_path / "roomy")
     resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
-    assert "step-4" in resumed.stderr
+    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 1\)$", resumed.stderr, re.M), \
+        resumed.stderr

@@ -35,6 +35,14 @@ def test_the_shared_memory_average_is_bitwise_equal_to_gloos_at_two_ranks(shared
     assert results["gloo_weights_equal_shared_memory"]
 
 
+def test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks(tmp_path):
+    """At 3 ranks a sum's order changes its rounding: every rank must still hold bitwise the same average."""
+    ok(torchrun(WORKERS / "shm_average.py", tmp_path, nproc=3))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["used_shared_memory"] and results["ranks_bitwise_equal"]
+    assert results["max_error_vs_float64_mean"] <= 1e-6 * results["largest_value"]
+
+
 def test_static_graph_and_find_unused_parameters_train(shared):
     out, results = shared
     assert results["static_graph_set"] and results["static_weights_equal"]
