@@ -72,6 +72,25 @@ def test_stop_and_resume_is_bitwise_equal_in_every_situation(tmp_path):
         assert result["checkpoints"] == [f"step-{stops[name]}"], name
 
 
+def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
+    """Rerun with training.epochs raised: the new config governs — the cosine schedule is rebuilt for
+    the longer run (the restored one ended at learning rate 0) and the loss keeps falling."""
+    ok(run_job(tmp_path, "training.epochs=1", "checkpoint.every_steps=5", nproc=1))
+    first = train_lines(tmp_path)
+    assert first[-1]["step"] == 25 and first[-1]["lr"] < 0.01  # cosine: the end of the schedule
+    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", nproc=1))
+    assert re.search(r"^the plan changed since that checkpoint \(steps 25 → 75\): the learning-rate schedule is "
+                     r"rebuilt for this config and continues at step 25$", extended.stderr, re.M), extended.stderr
+    later = [m for m in train_lines(tmp_path) if m["step"] > 25]
+    assert [m["step"] for m in later] == list(range(26, 76))
+    assert later[0]["lr"] > 0.1  # cosine at 25 of 75 steps, not the old schedule's 0
+    assert sum(m["loss"] for m in later[-10:]) < sum(m["loss"] for m in first[-10:])
+    # What cannot be honoured is refused: a plan shorter than the run already is.
+    refused(run_job(tmp_path, "training.epochs=1", nproc=1),
+            "is at step 75 and this config plans 25 steps (training.epochs=1, training.max_steps=0); raise "
+            "them to continue that run, or start a new run.dir")
+
+
 def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
     store = CheckpointStore(checkpointed)
     assert [c.step for c in store.complete()] == [20, 30, 39]  # keep = 3: the oldest went
@@ -212,6 +231,31 @@ def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused
             "--resume")
 
 
+def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(reference, tmp_path):
+    slower = ", step_sleep_s = 0.3"  # about 12 s of training: the workers would outlive the check by far
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % slower, "--nproc", "2",
+                             f"run.dir={tmp_path}", "checkpoint.every_steps=5"], cwd=ROOT, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe for workers to hold
+    wait_for(lambda: (tmp_path / "checkpoints" / "step-5").exists(), what="the first checkpoint")
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    proc.kill()  # SIGKILL: the launcher can do nothing about it
+    proc.wait(timeout=TIMEOUT)
+    wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=3, what="the workers to die with it")
+    # Nothing holds run.dir: the same command continues from the newest checkpoint and ends as one run.
+    resumed = ok(run_job(tmp_path, "checkpoint.every_steps=5"))
+    step = int(re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 39", resumed.stderr, re.M)[1])
+    assert 5 <= step < 39  # mid-run: the workers did not go on to finish it
+    assert_same_weights(reference, tmp_path)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
     """Steps of 5 s and checkpoint.preempt_grace_s = 1: torchrun does not wait for the step (and its
     checkpoint) to finish, it kills the workers when the grace ends."""
@@ -225,6 +269,43 @@ def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
     assert time.monotonic() - start < 4.5, err  # the grace, not the 5 s step
     assert proc.returncode == 75, err
     assert CheckpointStore(tmp_path).complete() == []  # the step never finished: no checkpoint
+
+
+def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(reference, tmp_path):
+    """The end of a run is its most valuable moment: when model.safetensors cannot be written, the
+    trained state goes into a checkpoint, the one line says where, and rerunning writes the weights."""
+    proc = start_slow_job(tmp_path)  # no checkpoint.every_steps: nothing saved along the way
+    wait_for(lambda: logged_steps(tmp_path) >= 3, what="training to start")
+    (tmp_path / "model.safetensors").mkdir()  # appears after the launcher's checks
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"dtrain: error: could not write {tmp_path / 'model.safetensors'} (Is a directory); the trained "
+        f"state is safe in {tmp_path / 'checkpoints'}/step-39: make room (or move what is in the way) and rerun "
+        f"the same command to write the weights")
+    assert err.count("dtrain: error:") == 1
+    (tmp_path / "model.safetensors").rmdir()
+    rerun = ok(run_job(tmp_path, model_extra=SLOW))
+    assert "(step 39 of 39, epoch 3): the run is already complete" in rerun.stderr
+    assert_same_weights(reference, tmp_path)
+
+
+@pytest.mark.parametrize("obstacle", ["weights_dir", "run_dir_file", "symlink_loop"])
+def test_a_run_dir_that_cannot_work_is_refused_by_the_launcher(tmp_path, obstacle):
+    run_dir = tmp_path / "run"
+    if obstacle == "weights_dir":
+        (run_dir / "model.safetensors").mkdir(parents=True)
+        message = f"{run_dir / 'model.safetensors'} is not a file (a folder?), and the run writes its final weights"
+    elif obstacle == "run_dir_file":
+        run_dir.write_text("not a folder")
+        message = f"run.dir {run_dir} is a file, not a folder; choose another run.dir"
+    else:
+        run_dir.symlink_to(tmp_path / "loop")
+        (tmp_path / "loop").symlink_to(run_dir)
+        message = f"run.dir {run_dir} cannot be used"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    refused(run_job(run_dir), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):

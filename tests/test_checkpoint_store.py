@@ -114,3 +114,38 @@ def test_metrics_are_cut_back_to_the_checkpoint(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     truncate_metrics(path, 10, drop_eval_at_step=False)
     assert [json.loads(l) for l in path.read_text().splitlines()] == lines[:4]
+
+
+def test_a_folder_not_named_as_dtrain_names_it_is_not_a_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path)
+    write_checkpoint(store, 15)
+    (store.root / "step-15").rename(store.root / "step-015")  # renamed by hand
+    assert store.complete() == []
+
+
+@pytest.mark.parametrize("marker, problem", [
+    (None, "not a JSON object"),
+    ([], "not a JSON object"),
+    ({"step": 7, "world_size": 2, "files": {}}, "it says step 7"),
+    ({"step": 3, "world_size": 0, "files": {}}, "world_size 0"),
+    ({"step": 3, "world_size": 2, "files": {"data.bin": {"bytes": "100"}}}, "its file list is malformed"),
+    ({"step": 3, "world_size": 2, "files": []}, "its file list is malformed"),
+])
+def test_a_marker_of_the_wrong_shape_is_refused_in_one_line(tmp_path, marker, problem):
+    store = CheckpointStore(tmp_path)
+    checkpoint = write_checkpoint(store, 3)
+    (checkpoint.path / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError) as caught:
+        store.check_intact(checkpoint)
+    assert str(caught.value) == (f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
+                                 f"{checkpoint.path} to resume from an earlier checkpoint")
+
+
+def test_a_marker_that_omits_a_file_is_refused(tmp_path):
+    store = CheckpointStore(tmp_path)
+    checkpoint = write_checkpoint(store, 3)
+    meta = json.loads((checkpoint.path / MARKER).read_text())
+    del meta["files"]["data.bin"]
+    (checkpoint.path / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"data.bin is not in its manifest \(the marker omits it\)"):
+        store.check_intact(checkpoint)

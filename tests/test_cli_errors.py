@@ -1,8 +1,10 @@
 """Bad input gets one clear line, printed once, a non-zero exit, and nothing written."""
 
+import os
+
 import pytest
 
-from helpers import dtrain, run
+from helpers import ROOT, dtrain, run
 import sys
 
 CFG = "examples/digits_mlp.toml"
@@ -29,6 +31,14 @@ def refused(result, message: str, tmp_path) -> None:
     (["--nproc", "9", "data.name=synthetic", "data.num_samples=10"],
      "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer"),
     (["--nproc", "0"], "--nproc must be >= 1; got 0"),
+    (["optimizer.lr=nan"], "optimizer.lr must be a finite number; got nan"),
+    (["training.max_grad_norm=inf"], "training.max_grad_norm must be a finite number; got inf"),
+    (["training.epochs=99999999999999999999999"],
+     "training.epochs = 99999999999999999999999 does not fit in 64 bits; use a smaller value"),
+    (["data.batch_size=100000000000"], "data.batch_size must be <= 16777216; got 100000000000"),
+    (["data.name=synthetic", "data.input_shape=[3, 4096, 4096]"],
+     "data.input_shape = [3, 4096, 4096] × data.num_samples = 60000 is over 2^34 values (64 GiB of float32) "
+     "for the synthetic data set; use fewer samples or smaller inputs"),
     (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that "
                         "every node can reach)"),
 ])
@@ -45,6 +55,10 @@ def test_missing_and_broken_config_files(tmp_path):
     result = dtrain("run", str(bad), "--nproc", "2")
     assert result.returncode == 2 and result.stderr.startswith(f"dtrain: error: config file {bad} is not valid TOML")
     assert len(result.stderr.strip().splitlines()) == 1
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[training]\n")
+    refused(dtrain("run", str(binary)), f"config file {binary} is not UTF-8 text (byte 0); TOML files are UTF-8",
+            tmp_path)
 
 
 def test_a_problem_only_workers_can_see_is_reported_once(tmp_path):
@@ -77,3 +91,41 @@ def test_unknown_command_and_missing_script():
     assert result.returncode == 2 and "unknown command 'trian'" in result.stderr
     result = dtrain("launch", "--nproc", "2", "no_such_script.py")
     assert result.returncode == 2 and result.stderr.strip() == "dtrain: error: script no_such_script.py does not exist"
+
+
+def test_an_empty_run_dir_is_refused(tmp_path):
+    """run.dir=$UNSET_VARIABLE: nothing is written anywhere, least of all beside the config."""
+    refused(dtrain("run", str(ROOT / CFG), "run.dir=", cwd=tmp_path),
+            "run.dir is empty (an unset shell variable?); give the folder the run writes to, e.g. "
+            "run.dir=runs/first", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_path):
+    own = tmp_path / "config.toml"
+    own.write_text("# my notes\n[training]\nepochs = 1\n")
+    own.chmod(0o640)
+    before = own.read_bytes()
+    refused(dtrain("run", str(own), "run.dir=.", cwd=tmp_path),
+            "run.dir = '.' would write the run's config.toml over " + str(own) + ", the config being read; "
+            "choose another run.dir (e.g. run.dir=runs/config)", tmp_path)
+    refused(dtrain("run", CFG, f"run.dir={tmp_path}", "training.epochs=1"),
+            f"{own} is not a config dtrain wrote (a file of yours?) and a run writes its config.toml there; "
+            f"choose another run.dir, or move the file", tmp_path)
+    assert own.read_bytes() == before and own.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
+
+
+def test_outputs_get_the_users_normal_file_mode(tmp_path):
+    from helpers import ok
+
+    ok(dtrain("run", CFG, "training.epochs=1", f"run.dir={tmp_path / 'run'}", extra_env={}))
+    for name in ("config.toml", "metrics.jsonl", "model.safetensors"):
+        mode = (tmp_path / "run" / name).stat().st_mode & 0o777
+        assert mode == 0o666 & ~current_umask(), f"{name}: {oct(mode)}"
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

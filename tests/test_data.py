@@ -53,6 +53,25 @@ def test_mnist_missing_and_corrupt_files_are_named(tmp_path):
     write_idx(images, np.zeros((5, 28, 28)))  # 5 images for 8 labels
     with pytest.raises(DataError, match="has 8 labels for 5 images"):
         data.build(cfg)
+    write_idx(images, np.zeros((8, 32, 32)))  # images of another size
+    with pytest.raises(DataError, match=r"holds images of shape \[8, 32, 32\]; MNIST images are N×28×28"):
+        data.check(cfg)  # the launcher's content check, before any worker starts
+    write_idx(images, np.zeros((8, 28, 28)))
+    write_idx(tmp_path / "train-labels-idx1-ubyte", [1, 2, 3, 200, 4, 5, 6, 7])  # a label no digit has
+    with pytest.raises(DataError, match="holds label 200; MNIST labels are the digits 0-9"):
+        data.check(cfg)
+
+
+def test_an_empty_mnist_file_is_named_by_the_launcher(tmp_path):
+    from helpers import dtrain as dtrain_cli
+
+    fake_mnist(tmp_path, n_train=8, n_test=4, gz=False)
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"")
+    result = dtrain_cli("run", "examples/mnist_mlp.toml", "--nproc", "2", f"data.path={tmp_path}",
+                        f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"dtrain: error: {tmp_path / 'train-labels-idx1-ubyte'} is not an IDX file (bad header); replace it "
+        f"with the original MNIST file")
 
 
 def test_digits_split_is_fixed_and_size_hint_agrees():

@@ -89,3 +89,26 @@ def test_mnist_config_on_idx_files(tmp_path):
               "training.epochs=3", "optimizer.lr=0.1", "training.log_every=2", f"run.dir={tmp_path / 'run'}"))
     final = [m for m in train_lines(tmp_path / "run")]
     assert final[-1]["loss"] < final[0]["loss"]
+
+
+def test_launch_flags_launch_even_where_rank_variables_are_set(reference, tmp_path):
+    """A Kubernetes PyTorchJob pod sets RANK and WORLD_SIZE for the pod; `--nproc 2` there still
+    starts two workers (torchrun gives them their own ranks) and takes the reference's steps."""
+    pod = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ok(dtrain("run", *JOB, "--nproc", "2", f"run.dir={tmp_path}", extra_env=pod))
+    assert all(len(m["rank_busy_ms"]) == 2 for m in train_lines(tmp_path))
+    same_run(reference, tmp_path)
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2 is impossible: a rank is 0..WORLD_SIZE-1"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 is impossible"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK=3 with LOCAL_WORLD_SIZE=2 and WORLD_SIZE=2 is impossible"),
+])
+def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, message):
+    result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", extra_env=variables, timeout=60)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("dtrain: error: ") and message in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()

@@ -53,6 +53,7 @@ def test_static_graph_and_find_unused_parameters_train(shared):
 def test_dataloader_path_takes_the_same_steps(shared):
     out, _ = shared
     assert [m["loss"] for m in train_lines(out / "loader")] == [m["loss"] for m in train_lines(out / "parity")]
+    assert_weights_close(weights(out / "loader"), weights(out / "parity"), atol=0, rtol=0)  # bitwise
 
 
 def test_eval_is_exact_when_the_world_size_does_not_divide_the_data(shared):

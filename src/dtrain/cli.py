@@ -77,15 +77,16 @@ def cmd_run(argv: Sequence[str]) -> int:
     from .job import preflight, worker_main
     from .launch import launch
 
-    torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
-    if torchrun_worker or (in_worker_environment() and not _explicit_launch(args)):
+    # Inside torchrun: a worker. RANK/WORLD_SIZE (or srun's, mpirun's variables) without launch flags:
+    # a worker started by something else. With launch flags dtrain launches, whatever the environment
+    # says (a Kubernetes PyTorchJob pod sets RANK and WORLD_SIZE for the pod; torchrun sets the workers').
+    if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
         return worker_main(config)
 
     spec = _spec(args)
     spec.shutdown_grace_s = config.checkpoint.preempt_grace_s
     spec.validate()
-    preflight(config, world_size=spec.nproc * spec.min_nodes, local_world_size=spec.nproc)
+    preflight(config, world_size=spec.nproc * spec.min_nodes, local_world_size=spec.nproc, config_file=args.config)
     if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
         return worker_main(config)  # one process: no launcher needed
     return launch(spec, ["-m", "dtrain", "run", args.config, *overrides])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -75,7 +76,7 @@ class DistributedConfig:
 class ModelConfig:
     name: str = setting("mlp", "mlp (the guide's Linear-ReLU-Linear), cnn, or a factory "
                         "'package.module:function'.")
-    hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1)
+    hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
     options: dict = setting({}, "Keyword arguments passed to a model factory.")
 
 
@@ -85,12 +86,12 @@ class DataConfig:
                         "or a factory 'package.module:function'.")
     path: str = setting("data/mnist", "Folder holding the four MNIST IDX files (plain or .gz).")
     download: bool = setting(False, "Download MNIST into data.path when the files are missing.")
-    batch_size: int = setting(64, "Samples per micro-batch, per process.", min=1)
-    eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1)
+    batch_size: int = setting(64, "Samples per micro-batch, per process.", min=1, max=2**24)
+    eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1, max=2**24)
     eval_fraction: float = setting(0.2, "Share held out for evaluation (digits, synthetic).",
                                    above=0, max=0.9)
     drop_last: bool = setting(False, "Drop each epoch's last, partial batch.")
-    num_samples: int = setting(60000, "Size of the synthetic data set.", min=1)
+    num_samples: int = setting(60000, "Size of the synthetic data set.", min=1, max=2**31)
     input_shape: list[int] = setting([1, 28, 28], "Sample shape of the synthetic data set.")
     num_classes: int = setting(10, "Classes of the synthetic data set (and of factory data sets "
                                "that cannot say).", min=2)
@@ -247,6 +248,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"config file {path} is a directory; pass a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
     return Config.from_dict(raw, source=str(path)).with_overrides(overrides)
 
 
@@ -272,6 +277,9 @@ def reference_rows() -> list[tuple[str, str, str]]:
 
 def validate(config: Config) -> None:
     """Checks that involve more than one key or a value's format."""
+    if not config.run.dir.strip():
+        raise ConfigError("run.dir is empty (an unset shell variable?); give the folder the run writes to, "
+                          "e.g. run.dir=runs/first")
     scheme = config.distributed.init_method.split("://", 1)[0]
     if "://" not in config.distributed.init_method or scheme not in ("env", "tcp", "file"):
         raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' is not "
@@ -299,6 +307,10 @@ def validate(config: Config) -> None:
     if not config.data.input_shape or any(d < 1 for d in config.data.input_shape):
         raise ConfigError(f"data.input_shape = {config.data.input_shape} must be a list of "
                           f"positive sizes, e.g. [1, 28, 28]")
+    if config.data.name == "synthetic" and math.prod(config.data.input_shape) * config.data.num_samples > 2**34:
+        raise ConfigError(f"data.input_shape = {config.data.input_shape} × data.num_samples = "
+                          f"{config.data.num_samples} is over 2^34 values (64 GiB of float32) for the synthetic "
+                          f"data set; use fewer samples or smaller inputs")
 
 
 def profile_range(text: str) -> tuple[int, int] | None:
@@ -386,10 +398,14 @@ def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text:
     if type_ is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} must be an integer; got {_describe(value)}")
+        if not -(2**63) <= value < 2**63:  # TOML's integers are 64-bit; Python's parser is not
+            raise ConfigError(f"{key} = {value} does not fit in 64 bits; use a smaller value")
     elif type_ is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number; got {_describe(value)}")
         value = float(value)
+        if not math.isfinite(value):  # TOML has nan and inf literals; nothing here can use them
+            raise ConfigError(f"{key} must be a finite number; got {value}")
     _check_bounds(key, value, meta)
     return value
 

@@ -11,7 +11,9 @@ import contextlib
 import datetime
 import os
 import re
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -21,6 +23,27 @@ import torch.distributed as dist
 
 from .config import DistributedConfig
 from .errors import ConfigError, EnvironmentProblem
+
+
+# Set by `dtrain run/launch` for the workers it starts (the value: the launcher's pid). Its workers
+# leave reporting errors to it, and die with it.
+LAUNCHED_BY_DTRAIN = "DTRAIN_LAUNCHED"
+
+
+def die_with_the_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """Under dtrain's launcher, have the kernel SIGKILL this worker when the launcher dies (Linux's
+    PR_SET_PDEATHSIG): a launcher killed with SIGKILL cannot stop its workers, and they would go on
+    training under init, writing checkpoints and holding run.dir's lock. torchrun's agent runs
+    inside the launcher, so the launcher is this worker's parent."""
+    launcher = environ.get(LAUNCHED_BY_DTRAIN, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before the request was in place
+        os._exit(128 + signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -48,7 +71,7 @@ def in_worker_environment(environ: Mapping[str, str] = os.environ) -> bool:
 def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     """Read rank, world size and rendezvous address from torchrun, SLURM or Open MPI variables."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return DistEnv(
+        return _possible(DistEnv(
             rank=_int(environ, "RANK"),
             world_size=_int(environ, "WORLD_SIZE"),
             local_rank=_int(environ, "LOCAL_RANK", 0),
@@ -56,7 +79,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(environ, "MASTER_PORT", 29500),
             launcher="torchrun",
-        )
+        ), "RANK", "WORLD_SIZE", check_local="LOCAL_WORLD_SIZE" in environ)
     # `srun` sets SLURM_STEP_ID for each task it starts; a batch script or salloc shell does not, so
     # a plain `dtrain run` there launches torchrun instead of waiting for peers that never come.
     if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS", 1) > 1:
@@ -89,6 +112,19 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             launcher="mpi",
         )
     return DistEnv()
+
+
+def _possible(env: DistEnv, rank_name: str, world_name: str, check_local: bool) -> DistEnv:
+    """Refuse at once a place no group can have (it would otherwise wait for peers that never come
+    until distributed.timeout_s)."""
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise EnvironmentProblem(f"{rank_name}={env.rank} with {world_name}={env.world_size} is impossible: a rank "
+                                 f"is 0..{world_name}-1; check what sets them (the launcher, the pod spec)")
+    if check_local and (not 0 <= env.local_rank < max(env.local_world_size, 1)
+                        or env.local_world_size > env.world_size):
+        raise EnvironmentProblem(f"LOCAL_RANK={env.local_rank} with LOCAL_WORLD_SIZE={env.local_world_size} and "
+                                 f"{world_name}={env.world_size} is impossible; check what sets them")
+    return env
 
 
 def first_slurm_host(nodelist: str) -> str | None:
@@ -222,6 +258,7 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
     `debug` turns on torch's distributed debug mode (see `set_debug_level`). The flight recorder keeps
     the last collectives; with nccl, its timeout dump goes under `diagnostics_dir`.
     """
+    die_with_the_launcher()
     if dist.is_available() and dist.is_initialized():
         env = _env_from_group(detect_env(environ))
         backend = dist.get_backend()
@@ -244,7 +281,7 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
         # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
         for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
                             ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                            ("LOCAL_RANK", env.local_rank)):
+                            ("LOCAL_RANK", env.local_rank), ("LOCAL_WORLD_SIZE", env.local_world_size)):
             os.environ.setdefault(name, str(value))
     dist.init_process_group(
         backend=backend,

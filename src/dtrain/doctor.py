@@ -116,6 +116,9 @@ def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bo
         problems.append(f"MASTER_PORT={env['MASTER_PORT']} is not a port number (1-65535)")
     if ("RANK" in env) != ("WORLD_SIZE" in env):
         problems.append("only one of RANK and WORLD_SIZE is set: a worker needs both (or neither)")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        if name in env and not env[name].isdigit():
+            problems.append(f"{name}={env[name]!r} is not a whole number: a worker would refuse to start")
     if "RANK" in env and "WORLD_SIZE" in env and env["RANK"].isdigit() and env["WORLD_SIZE"].isdigit():
         if int(env["RANK"]) >= int(env["WORLD_SIZE"]):
             problems.append(f"RANK={env['RANK']} is not below WORLD_SIZE={env['WORLD_SIZE']}")

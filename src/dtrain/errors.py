@@ -7,9 +7,15 @@ EXIT_USAGE = 2
 
 
 class DtrainError(Exception):
-    """A problem the user can fix. Its message is printed as one line, once, and the run exits 2."""
+    """A problem the user can fix. Its message is printed as one line, once, and the run exits 2.
+
+    One line whatever it quotes: a value, key or file name holding a newline or another control
+    character is shown escaped (`\\n`), never breaking the line."""
 
     exit_code = EXIT_USAGE
+
+    def __init__(self, message: str = ""):
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
 
 
 class ConfigError(DtrainError):

@@ -19,12 +19,11 @@ from .config import Config
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
 from .trainer import Trainer, check_shardable
 
-# Set by `dtrain run/launch` for the workers it starts: they then leave reporting errors to it.
-LAUNCHED_BY_DTRAIN = "DTRAIN_LAUNCHED"
 
 
-def preflight(config: Config, world_size: int, local_world_size: int) -> None:
+def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> None:
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
+    checkpoint.check_config_file_is_ours(Path(config.run.dir), Path(config_file) if config_file else None)
     backend = distributed.resolve_backend(config.distributed.backend)
     check_comm_hook(config.distributed.comm_hook, backend)
     gpus = devices.visible_gpus()
@@ -37,6 +36,7 @@ def preflight(config: Config, world_size: int, local_world_size: int) -> None:
         if problem:
             raise ConfigError(problem)
     data.prepare(config)
+    data.check(config)
     n_train = data.size_hint(config)
     if n_train is not None:
         check_shardable(config, n_train, world_size)
@@ -64,6 +64,7 @@ def worker_main(config: Config) -> int:
     the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
     prints a bad-input message and the other ranks stay quiet.
     """
+    distributed.die_with_the_launcher()
     rank = _rank_from_env()
     try:
         run(config)
@@ -82,7 +83,7 @@ def worker_main(config: Config) -> int:
 
 def report(message: str, rank: int, traceback_text: str | None) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file and os.environ.get(LAUNCHED_BY_DTRAIN):
+    if error_file and os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
         text = message if traceback_text is None else traceback_text.rstrip()
         with open(error_file, "w") as fh:
             json.dump({"message": text, "timestamp": int(time.time())}, fh)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from . import distributed, netaddr
 from .errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
-from .job import LAUNCHED_BY_DTRAIN
 
 
 @dataclass
@@ -107,7 +106,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would set 1; split the cores among the local workers instead.
         os.environ["OMP_NUM_THREADS"] = str(max(1, distributed.available_cores() // spec.nproc))
-    os.environ[LAUNCHED_BY_DTRAIN] = "1"
+    os.environ[distributed.LAUNCHED_BY_DTRAIN] = str(os.getpid())  # the workers' parent: see die_with_the_launcher
     # Give each restarted group a fresh rendezvous store: when the workers share the agent's store, a
     # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -21,18 +22,60 @@ PHASES = ("data", "compute", "comm", "optimizer")
 
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The usable records of RUN_DIR/metrics.jsonl. A damaged line (cut short by an interruption,
+    edited, of another program) or a field of the wrong kind is left out, never trusted."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise DtrainError(f"{path} does not exist; pass a run.dir that a dtrain run wrote to")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise DtrainError(f"{path} cannot be read ({exc.strerror or exc})") from None
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            records.append(json.loads(line))
+            record = _usable(json.loads(line), records)
         except ValueError:
-            continue  # a line cut short by an interrupted run
+            continue
+        if record is not None:
+            records.append(record)
     if not any("loss" in r for r in records):
         raise DtrainError(f"{path} holds no training steps yet; nothing to report")
     return records
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """`record` with only what the report can trust, or None: a training record needs step, epoch,
+    loss and samples_per_s, an evaluation step, epoch and eval_loss; every other field is optional
+    and dropped when it is of the wrong kind."""
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), int) and not isinstance(record.get(k), bool)
+                                               for k in ("step", "epoch")):
+        return None
+    if "loss" in record:
+        required, optional = ("loss", "samples_per_s"), ("lr", "grad_norm", "mfu")
+    elif "eval_loss" in record:
+        required, optional = ("eval_loss",), ("eval_accuracy",)
+    else:
+        return None
+    if not all(_number(record.get(k)) for k in required):
+        return None
+    kept = {k: record[k] for k in ("step", "epoch", *required)}
+    kept.update({k: record[k] for k in optional if _number(record.get(k))})
+    timing = ("step_ms", *(f"{p}_ms" for p in PHASES))
+    busy = record.get("rank_busy_ms")
+    ranks = next((len(r["rank_busy_ms"]) for r in earlier if "rank_busy_ms" in r), None)
+    if (all(_number(record.get(k)) for k in timing) and isinstance(busy, list) and busy
+            and all(_number(b) for b in busy) and ranks in (None, len(busy))):
+        kept.update({k: record[k] for k in timing}, rank_busy_ms=busy)
+    stragglers = record.get("stragglers")
+    if isinstance(stragglers, list) and all(isinstance(s, dict) and isinstance(s.get("rank"), int)
+                                            and isinstance(s.get("host"), str) for s in stragglers):
+        kept["stragglers"] = stragglers
+    return kept
 
 
 def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:

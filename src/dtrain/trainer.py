@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 from . import distributed, perf
 from .amp import precision_for
-from .checkpoint import (Checkpointer, Parts, Position, RunDirLock, atomic_write_text, save_final_weights,
-                         truncate_metrics)
+from .checkpoint import (CONFIG_HEADER, CheckpointError, Checkpointer, Parts, Position, RunDirLock,
+                         atomic_write_text, check_config_file_is_ours, save_final_weights, truncate_metrics)
 from .comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
                    shared_memory_hook, timed_allreduce_hook)
 from .config import Config, profile_range
@@ -29,7 +29,7 @@ from .data import EvalBatches, ShardSampler, TrainBatches
 from .errors import DataError, DtrainError, Preempted
 from .metrics import StepMetrics
 from .monitor import Monitor
-from .optim import build_optimizer, build_scheduler
+from .optim import LRShape, build_optimizer, build_scheduler
 from .preemption import StopRequest
 from .profiling import StepProfiler
 from .steptime import StepTimer
@@ -79,13 +79,17 @@ class Trainer:
         except BaseException as exc:
             self._lock.release(remove_if_created=True)
             distributed.stop(self.session)
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                raise self._out_of_memory("while setting up (model, data held on the device)") from None
+            if _out_of_memory(exc):
+                raise self._out_of_memory("while setting up (model, data held on the device)", exc) from None
             raise
 
     def _build(self) -> None:
         cfg, session = self.config, self.session
         device = session.device
+        if not isinstance(self.module, nn.Module) or not any(p.requires_grad for p in self.module.parameters()):
+            what = type(self.module).__name__
+            raise DtrainError(f"the model ({what}) has no trainable parameters: there is nothing to train; "
+                              f"give a torch.nn.Module with parameters that require gradients")
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         check_shardable(cfg, len(self.train_data), session.world_size)
 
@@ -124,15 +128,22 @@ class Trainer:
             self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank,
             session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps))
         resume_from = self.checkpointer.find_resume_point()
+        replanned = None
         if resume_from is not None:
+            if resume_from.step > self.total_steps:
+                raise DtrainError(f"{resume_from.path} is at step {resume_from.step} and this config plans "
+                                  f"{self.total_steps} steps (training.epochs={cfg.training.epochs}, "
+                                  f"training.max_steps={cfg.training.max_steps}); raise them to continue "
+                                  f"that run, or start a new run.dir")
             position = self.checkpointer.restore(resume_from)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
+            replanned = self._follow_the_configs_plan()
         self._lr = self.optimizer.param_groups[0]["lr"]
 
         continuing = resume_from is not None and self.step < self.total_steps
         if session.is_main:
-            atomic_write_text(self.run_dir / "config.toml", cfg.to_toml())
+            atomic_write_text(self.run_dir / "config.toml", CONFIG_HEADER + cfg.to_toml())
             if continuing:
                 # An epoch that ended exactly at the checkpoint is evaluated again on resume.
                 epoch_end_pending = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
@@ -142,6 +153,9 @@ class Trainer:
         if resume_from is not None:
             self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
                               f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
+        if replanned and continuing:
+            self.monitor.info(f"the plan changed since that checkpoint ({replanned}): the learning-rate "
+                              f"schedule is rebuilt for this config and continues at step {self.step}")
         self.timer.progress.step = self.step
         self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
                                session.world_size, self.run_dir)
@@ -206,6 +220,7 @@ class Trainer:
         error = None
         if self.session.is_main:
             try:
+                check_config_file_is_ours(self.run_dir)
                 self._lock.acquire()
             except DtrainError as exc:
                 error = str(exc)
@@ -288,11 +303,12 @@ class Trainer:
                     last = {**last, **self._log_eval()}
             if self.config.checkpoint.every_steps and self.checkpointer.last_saved_step != self.step:
                 self._save_checkpoint()
-            if self.session.is_main:
-                save_final_weights(self.module, self.run_dir / "model.safetensors")
+            self._write_final_weights()
             distributed.barrier()
-        except torch.cuda.OutOfMemoryError:
-            raise self._out_of_memory(f"at step {self.step + 1}") from None
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            raise self._out_of_memory(f"at step {self.step + 1}", exc) from None
         finally:
             self.watch.stop()
             self.profiler.close()
@@ -301,6 +317,30 @@ class Trainer:
             self._lock.release()
             distributed.stop(self.session)
         return last
+
+    def _write_final_weights(self) -> None:
+        """model.safetensors: the end of the run, its most valuable moment. If the weights cannot be
+        written (a full disk, a directory in the way), the trained state is kept in a checkpoint and
+        the run says where, exit 2 — never a finished run with nothing to show."""
+        path = self.run_dir / "model.safetensors"
+        error = None
+        if self.session.is_main:
+            try:
+                save_final_weights(self.module, path)
+            except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error on a full disk
+                error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+        error = distributed.first_error(error)
+        if error is None:
+            return
+        if self.checkpointer.last_saved_step != self.step:
+            try:
+                self._save_checkpoint()
+            except CheckpointError as exc:
+                raise DtrainError(f"could not write {path} ({error}), nor a checkpoint of the trained state "
+                                  f"({exc})") from None
+        raise DtrainError(f"could not write {path} ({error}); the trained state is safe in "
+                          f"{self.checkpointer.store.root}/step-{self.step}: make room (or move what is in "
+                          f"the way) and rerun the same command to write the weights")
 
     def _checkpoint_due(self) -> bool:
         every = self.config.checkpoint.every_steps
@@ -314,7 +354,7 @@ class Trainer:
         self.metrics.resume()
         self.monitor.info(f"checkpoint {checkpoint.name} written")
 
-    def _out_of_memory(self, when: str) -> DtrainError:
+    def _out_of_memory(self, when: str, exc: BaseException) -> DtrainError:
         cfg = self.config
         batch, accum = cfg.data.batch_size, cfg.training.grad_accum_steps
         levers = [f"data.batch_size={max(1, batch // 2)} training.grad_accum_steps={accum * 2} (the same "
@@ -323,7 +363,8 @@ class Trainer:
             levers.append("training.precision=bf16")
         if cfg.data.on_device and self.session.device.type == "cuda":
             levers.append("data.on_device=false")
-        return DtrainError(f"out of GPU memory {when} on rank {self.session.rank} with "
+        memory = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
+        return DtrainError(f"out of {memory} {when} on rank {self.session.rank} with "
                            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
                            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
 
@@ -440,12 +481,41 @@ class Trainer:
         self.scheduler.last_epoch -= skipped + 1
         self.scheduler.step()  # recomputes every group's lr at the corrected position
 
+    def _follow_the_configs_plan(self) -> str | None:
+        """On resume the config governs, as in Lightning and torchtitan: a changed length
+        (training.epochs / max_steps), schedule or peak learning rate rebuilds the LR schedule for the
+        new plan at the restored position — the restored one would keep the old plan (and, extended
+        past its end, train at its final learning rate, 0 for a decay). What changed, or None."""
+        cfg = self.config
+        restored, wanted = self.scheduler.lr_lambdas[0], LRShape(cfg.scheduler, self.total_steps)
+        peak = cfg.optimizer.lr
+        changes = [f"{label} {a:g} → {b:g}" if isinstance(a, (int, float)) else f"{label} {a} → {b}"
+                   for label, a, b in (("steps", restored.total, wanted.total),
+                                       ("scheduler.name", restored.name, wanted.name),
+                                       ("scheduler.warmup_steps", restored.warmup, wanted.warmup),
+                                       ("scheduler.min_lr_ratio", restored.floor, wanted.floor),
+                                       ("optimizer.lr", self.scheduler.base_lrs[0], peak)) if a != b]
+        if not changes:
+            return None
+        self.scheduler.lr_lambdas = [LRShape(cfg.scheduler, self.total_steps) for _ in self.optimizer.param_groups]
+        self.scheduler.base_lrs = [peak] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = peak
+        self._unschedule(0)  # every group's lr for the restored position under the new plan
+        return ", ".join(changes)
+
     def _log_eval(self) -> dict[str, Any]:
         self.metrics.pause()
         record = {"step": self.step, "epoch": self.epoch, "time": time.time(), **self.evaluate()}
         self.monitor.log(record)
         self.metrics.resume()
         return record
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A CUDA OOM, or the CPU allocator's (a MemoryError, or torch's RuntimeError saying so)."""
+    return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
 
 
 # How DDP says that ranks disagree about the parameters: their number, a shape, a layout.

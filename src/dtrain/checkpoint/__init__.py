@@ -12,12 +12,14 @@ from pathlib import Path
 
 from ..config import CheckpointConfig
 from ..distributed import first_error, from_rank0
-from .files import RunDirLock, atomic_write_text, save_final_weights
+from .files import (CONFIG_HEADER, RunDirLock, atomic_write_text, check_config_file_is_ours, check_run_dir_usable,
+                    save_final_weights)
 from .state import Parts, Position, world_size_mismatch
 from .store import Checkpoint, CheckpointError, CheckpointStore
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts", "Position",
-           "RunDirLock", "atomic_write_text", "save_final_weights", "truncate_metrics"]
+__all__ = ["CONFIG_HEADER", "Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
+           "Position", "RunDirLock", "atomic_write_text", "check_config_file_is_ours", "save_final_weights",
+           "truncate_metrics"]
 
 
 def restart_count() -> int:
@@ -120,6 +122,7 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
 def preflight(config: CheckpointConfig, run_dir: Path, world_size: int) -> None:
     """What the launcher can refuse before starting workers: a run.dir in use, a resume that cannot
     happen, a damaged checkpoint, a checkpoint from another world size."""
+    check_run_dir_usable(run_dir)
     RunDirLock(run_dir).check_free()
     store = CheckpointStore(run_dir)
     checkpoint = choose_resume(store, config.resume)

@@ -34,6 +34,9 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp makes the file 0600 (and a writer may recreate it): what dtrain writes gets the
+        # user's normal mode, 0666 less the umask, like any file a program creates.
+        os.chmod(tmp, 0o666 & ~_umask())
         fsync_file(Path(tmp))
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -67,6 +70,13 @@ def crc32(path: Path) -> int:
     return value
 
 
+MARKER = "COMPLETE.json"  # what seals a checkpoint folder: its manifest, written last
+
+
+def manifest_names(folder: Path) -> list[str]:
+    return [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
 def manifest(folder: Path) -> dict[str, dict[str, int]]:
     """Size and CRC-32 of every file under `folder` (relative paths)."""
     return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32(p)}
@@ -75,6 +85,9 @@ def manifest(folder: Path) -> dict[str, dict[str, int]]:
 
 def verify(folder: Path, expected: dict[str, dict[str, int]]) -> str | None:
     """None when `folder` holds exactly what `expected` lists; else what is wrong, naming the file."""
+    unlisted = sorted(set(manifest_names(folder)) - set(expected) - {MARKER})
+    if unlisted:
+        return f"{folder / unlisted[0]} is not in its manifest (the marker omits it)"
     for name, want in expected.items():
         path = folder / name
         if not path.is_file():
@@ -151,3 +164,62 @@ def _read_holder(fd: int) -> str:
         return f"pid {info['pid']} on {info['host']}, since {info['since']}"
     except (ValueError, KeyError, OSError):
         return "holder unknown"
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it: set it straight back
+    os.umask(mask)
+    return mask
+
+
+# The first line of every config.toml dtrain writes: how it knows a run.dir's config.toml is its own.
+CONFIG_HEADER = "# The resolved config of this run, written by dtrain. Rerun with: dtrain run <this file>\n"
+
+
+def check_config_file_is_ours(run_dir: Path, reading: Path | None = None) -> None:
+    """Refuse to write `<run_dir>/config.toml` over the config file being read or over any file that
+    dtrain did not write (a user's own config beside `run.dir = .`)."""
+    target = Path(run_dir) / "config.toml"
+    if not target.exists():
+        return
+    if reading is not None and Path(reading).exists() and os.path.samefile(target, reading):
+        raise DtrainError(f"run.dir = '{run_dir}' would write the run's config.toml over {reading}, the config "
+                          f"being read; choose another run.dir (e.g. run.dir=runs/{Path(reading).stem})")
+    if not _written_by_dtrain(target):
+        raise DtrainError(f"{target} is not a config dtrain wrote (a file of yours?) and a run writes its "
+                          f"config.toml there; choose another run.dir, or move the file")
+
+
+def _written_by_dtrain(path: Path) -> bool:
+    from ..config import SECTIONS, tomllib
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CONFIG_HEADER):
+        return True
+    try:  # written before the header existed: every section, as the resolved config has them
+        return set(tomllib.loads(text)) == set(SECTIONS)
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def check_run_dir_usable(run_dir: Path) -> None:
+    """What the launcher can see before any worker starts: run.dir is (or can become) a writable
+    folder, and the name of the final weights is free for a file."""
+    try:
+        run_dir.resolve(strict=False)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise DtrainError(f"run.dir {run_dir} is a file, not a folder; choose another run.dir")
+        existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a path too long
+        raise DtrainError(f"run.dir {run_dir} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
+                          f"choose another run.dir") from None
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DtrainError(f"run.dir {run_dir} cannot be written ({existing} is not a writable folder); "
+                          f"choose another run.dir")
+    weights = run_dir / "model.safetensors"
+    if weights.exists() and not weights.is_file():
+        raise DtrainError(f"{weights} is not a file (a folder?), and the run writes its final weights there; "
+                          f"move it or choose another run.dir")

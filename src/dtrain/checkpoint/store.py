@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DtrainError
-from .files import atomic_write_text, fsync_dir, manifest, verify
+from .files import MARKER, atomic_write_text, fsync_dir, manifest, verify
 
-MARKER = "COMPLETE.json"
 PARTIAL_PREFIX = ".partial-"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -53,7 +52,8 @@ class CheckpointStore:
         found = []
         for path in self.root.iterdir():
             match = _STEP_DIR.fullmatch(path.name)
-            if match and (path / MARKER).is_file():
+            # Only dtrain's own spelling (step-15, not step-015): the name is how a step finds its folder.
+            if match and path.name == f"step-{int(match.group(1))}" and (path / MARKER).is_file():
                 found.append(Checkpoint(int(match.group(1)), path))
         return sorted(found, key=lambda c: c.step)
 
@@ -115,10 +115,32 @@ class CheckpointStore:
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
                                   f"{checkpoint.path} to resume from an earlier checkpoint") from None
-        problem = verify(checkpoint.path, meta.get("files", {}))
+        problem = marker_problem(meta, checkpoint.step)
+        if problem:
+            raise CheckpointError(f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
+                                  f"{checkpoint.path} to resume from an earlier checkpoint")
+        problem = verify(checkpoint.path, meta["files"])
         if problem:
             earlier = [c.name for c in self.complete() if c.step < checkpoint.step]
             fix = (f"delete {checkpoint.path} to resume from {earlier[-1]}" if earlier
                    else f"delete {checkpoint.path} to start over")
             raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {fix}")
         return meta
+
+
+def marker_problem(meta: Any, step: int) -> str | None:
+    """What is wrong with a COMPLETE.json's shape (None: nothing): an object naming its step and
+    listing files, each with its size and checksum."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    if meta.get("step") != step or isinstance(meta.get("step"), bool):
+        return f"it says step {meta.get('step')!r}"
+    world = meta.get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        return f"world_size {world!r}"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(entry, dict) and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+                                            for k in ("bytes", "crc32")) for entry in files.values()):
+        return "its file list is malformed"
+    return None

@@ -12,9 +12,11 @@ else. No pickle from a checkpoint is ever loaded unrestricted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,9 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
             else:
                 leftovers.setdefault(fqn, {})[name] = value
     # Each tensor exists on every rank (DDP keeps replicas): DCP writes each one once.
-    dcp.save({k: v.cpu() for k, v in tensors.items()}, storage_writer=FileSystemWriter(folder / TENSORS),
-             no_dist=parts.world_size == 1)
+    with _one_process_is_intended():
+        dcp.save({k: v.cpu() for k, v in tensors.items()}, storage_writer=FileSystemWriter(folder / TENSORS),
+                 no_dist=parts.world_size == 1)
     _save_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
     meta = {
         "step": position.step,
@@ -80,6 +83,10 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
 
 def load(folder: Path, parts: Parts) -> Position:
     """Put checkpoint `folder` back into `parts` (every rank calls it); refuses what would not fit."""
+    for name in (TRAINER, f"{TENSORS}/.metadata", f"rng-rank{parts.rank}.safetensors"):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier "
+                                  f"checkpoint")
     trainer = json.loads((folder / TRAINER).read_text())
     _check_geometry(folder, trainer, parts)
     reader = SafeReader(folder / TENSORS)
@@ -97,7 +104,8 @@ def load(folder: Path, parts: Parts) -> Position:
             placeholder = torch.empty(item.size, dtype=item.properties.dtype)
             tensors[key] = placeholder
             optim_entries.setdefault(fqn, {})[name] = placeholder
-    dcp.load(tensors, storage_reader=reader, no_dist=parts.world_size == 1)  # in place
+    with _one_process_is_intended():
+        dcp.load(tensors, storage_reader=reader, no_dist=parts.world_size == 1)  # in place
 
     # The tensors stay on the CPU as read: Optimizer.load_state_dict moves each to where the optimizer
     # keeps it — moments beside their parameter, AdamW's `step` on the CPU (unless fused/capturable),
@@ -117,6 +125,15 @@ def load(folder: Path, parts: Parts) -> Position:
     _load_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
                     unscheduled_skips=trainer.get("unscheduled_skips", 0))
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP warns that it "assumes" a single process when no group exists: for a one-process run that
+    is exactly right, and the warning would be the only noise on its console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:

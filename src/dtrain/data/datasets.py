@@ -52,6 +52,13 @@ def size_hint(config: Config) -> int | None:
     return None
 
 
+def check(config: Config) -> None:
+    """The launcher reads files a job names before any worker starts: content, not only form (MNIST:
+    every image 28×28, every label a digit, as many labels as images)."""
+    if config.data.name == "mnist":
+        mnist.load(config.data.path)
+
+
 def prepare(config: Config) -> None:
     """Work that must happen once per node before workers start (downloads)."""
     data = config.data

@@ -82,12 +82,18 @@ def load(root: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[tor
 
     def images(key: str) -> torch.Tensor:
         arr = read_idx(files[key])
-        if arr.ndim != 3:
-            raise DataError(f"{files[key]} holds {arr.ndim}-D data; MNIST images are N×28×28")
+        if arr.ndim != 3 or arr.shape[1:] != (28, 28):
+            raise DataError(f"{files[key]} holds images of shape {list(arr.shape)}; MNIST images are N×28×28")
         return torch.from_numpy(arr.astype(np.float32) / 255.0).unsqueeze(1)
 
     def labels(key: str) -> torch.Tensor:
-        return torch.from_numpy(read_idx(files[key]).astype(np.int64))
+        arr = read_idx(files[key])
+        if arr.ndim != 1:
+            raise DataError(f"{files[key]} holds {arr.ndim}-D data; MNIST labels are one number per image")
+        if len(arr) and (arr.min() < 0 or arr.max() > 9):
+            raise DataError(f"{files[key]} holds label {int(arr.max() if arr.max() > 9 else arr.min())}; MNIST "
+                            f"labels are the digits 0-9 (a file of another data set?)")
+        return torch.from_numpy(arr.astype(np.int64))
 
     train = images("train_images"), labels("train_labels")
     test = images("test_images"), labels("test_labels")
