@@ -102,3 +102,16 @@ def fake_mnist(root: Path, n_train: int = 256, n_test: int = 64, gz: bool = True
         write_idx(root / f"{prefix}-images-idx3-ubyte{suffix}", images)
         write_idx(root / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
     return root
+
+
+def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> bool:
+    """A small (or read-only) filesystem of the test's own at `path` (needs root); whether it worked.
+    Undo with unmount(path)."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -14,7 +14,8 @@ import torch
 
 from dtrain.checkpoint import CheckpointStore
 from dtrain.checkpoint.store import MARKER
-from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, ok, torchrun, train_lines, weights
+from helpers import (ROOT, TIMEOUT, WORKERS, dtrain, env, mount_tmpfs, ok, torchrun, train_lines, unmount,
+                     weights)
 
 JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
        "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",
@@ -322,13 +323,12 @@ def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
+    """A 3 MiB tmpfs of the test's own."""
     mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if not mount_tmpfs(mount, "3m"):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    unmount(mount)
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path):
@@ -350,3 +350,44 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp
     resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
     assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 1\)$", resumed.stderr, re.M), \
         resumed.stderr
+
+
+def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(small_disk, tmp_path):
+    """The disk was roomy at the start (the launcher checks), fills up during training: neither the final
+    weights nor a checkpoint fit, so the weights go to the system's temporary folder, and one line says
+    where. They are the very weights the run trained."""
+    big = MODEL.replace("32", "20000")  # 1.4 MB of weights, 2.7 MB a checkpoint: neither fits in what is left
+    reference = tmp_path / "reference"
+    ok(dtrain("run", *JOB, big % "", "--nproc", "2", f"run.dir={reference}"))
+    spare = tmp_path / "spare"  # "another disk": where the system's temporary folder is
+    spare.mkdir()
+    run_dir = small_disk / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, big % SLOW, "--nproc", "2",
+                             f"run.dir={run_dir}"], cwd=ROOT, env=env(TMPDIR=str(spare)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_steps(run_dir) >= 3, what="training to start")
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * (free - (200 << 10)))  # leave 200 KiB: enough for the logs
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 2, err
+    rescued = list(spare.glob("dtrain-rescued-weights-*/model.safetensors"))
+    assert len(rescued) == 1, err
+    last = err.strip().splitlines()[-1]
+    assert err.count("dtrain: error:") == 1 and last.startswith(
+        f"dtrain: error: could not write {run_dir / 'model.safetensors'} (No space left on device), nor a "
+        f"checkpoint of the trained state ("), last
+    assert last.endswith(f"; the trained weights are safe in {rescued[0]}: copy them to "
+                         f"{run_dir / 'model.safetensors'} once there is room"), last
+    assert_same_weights(reference, rescued[0].parent)
+    assert not [p for p in run_dir.rglob("*") if p.name.startswith(".partial-") or p.name.endswith(".tmp")]
+
+
+def test_a_disk_too_small_for_the_final_weights_is_refused_before_training(small_disk):
+    run_dir = small_disk / "run"
+    result = dtrain("run", *JOB, MODEL.replace("32", "60000") % "", "--nproc", "2", f"run.dir={run_dir}")  # 4 MB > 3 MB
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"dtrain: error: run\.dir {re.escape(str(run_dir))} has [\d,]+ bytes free and the final "
+        r"model\.safetensors needs [\d,]+; make room or choose a run\.dir on a bigger disk", lines[0]), lines
+    assert not run_dir.exists()  # nothing half-written: the run.dir the refused run made is gone again

@@ -129,3 +129,15 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("args, message", [
+    (["data.name=user_factories:returns_a_string"],
+     "data.name = 'user_factories:returns_a_string' returned str as its training set; it must return a "
+     "map-style Dataset (with __getitem__ and __len__), (train, eval) or {'train': ..., 'eval': ...}"),
+    (["model.name=user_factories:no_parameters"],
+     "the model (ReLU) has no trainable parameters: there is nothing to train; give a torch.nn.Module with "
+     "parameters that require gradients"),
+])
+def test_factories_of_the_wrong_kind_are_reported_once_by_the_workers(tmp_path, args, message):
+    refused(dtrain("run", CFG, *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}"), message, tmp_path)

@@ -111,6 +111,21 @@ def test_bad_model_factories(ref, message):
         models.build(load_config(None, [f"model.name={ref}"]).model, (6,), 4)
 
 
+@pytest.mark.parametrize("factory, message", [
+    ("returns_a_string", "returned str as its training set; it must return a map-style Dataset"),
+    ("returns_a_number", "returned int as its training set; it must return a map-style Dataset"),
+    ("returns_a_dict_without_train", "returned NoneType as its training set"),
+    ("returns_an_empty_set", "returned an empty dataset as its training set"),
+    ("returns_a_bad_eval_set", "returned int as its eval set"),
+    ("returns_unreadable_samples", "its first training sample cannot be read as (input, label) (KeyError: "),
+])
+def test_data_factories_returning_the_wrong_kind_are_refused_in_one_line(factory, message):
+    with pytest.raises(DataError) as refused:
+        data.build(load_config(None, [f"data.name=user_factories:{factory}"]))
+    assert str(refused.value).startswith(f"data.name = 'user_factories:{factory}'")
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_model_options_a_model_does_not_take():
     with pytest.raises(ConfigError, match="model.options has depth, which mlp\\(\\) does not take"):
         models.build(load_config(None, ["model.options={depth = 3}"]).model, (6,), 4)

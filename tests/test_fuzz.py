@@ -3,6 +3,7 @@ one-line DtrainError (exit status 2 at the command line) or success — never an
 traceback), never a file changed outside the folder the command owns. Seeded and bounded, so the suite
 stays fast and every run tries the same cases."""
 
+import contextlib
 import json
 import shutil
 import string
@@ -44,6 +45,35 @@ def test_any_override_is_accepted_or_refused_in_one_line(key, value):
         assert "\n" not in str(exc) and str(exc)
         return
     Config.from_dict(config.to_dict())  # what was accepted also round-trips through config.toml
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+@fuzz(60)
+@given(key=st.one_of(st.sampled_from(all_keys()), st.just("run.dir")), value=toml_ish)
+def test_the_launchers_checks_change_nothing_outside_run_dir(tmp_path_factory, key, value):
+    """Any override through the launcher's checks (config, run.dir, data, checkpoints): refused in one
+    line or passed, and no file outside run.dir created, changed or removed."""
+    from dtrain.job import preflight
+
+    home = tmp_path_factory.mktemp("cwd")
+    (home / "notes.txt").write_text("mine")
+    (home / "runs" / "old").mkdir(parents=True)
+    before = tree(home)
+    with contextlib.chdir(home):
+        try:
+            config = load_config(None, ["data.download=false", f"{key}={value}"])
+            preflight(config, world_size=1, local_world_size=1)
+        except DtrainError as exc:
+            assert "\n" not in str(exc) and str(exc)
+            config = None
+        run_dir = (home / config.run.dir).resolve() if config else None
+    after = tree(home)
+    changed = {name for name in before.keys() | after.keys() if before.get(name, 0) != after.get(name, 0)}
+    outside = [n for n in changed if run_dir is None or not (home / n).resolve().is_relative_to(run_dir)]
+    assert outside == [], outside
 
 
 @fuzz(200)

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -96,3 +97,19 @@ def test_a_killed_worker_on_one_node_restarts_both_and_ends_the_same(nodes, one_
     assert any(re.search(r"^resumed from \S+/checkpoints/step-10 \(step 10 of 26, epoch 0\)$", err, re.M)
                for err in errs), errs
     assert same_weights(one_node, tmp_path)
+
+
+def test_an_endpoint_nobody_serves_is_waited_for_then_given_up_in_one_line(nodes, tmp_path):
+    """node1 started alone: it says what it waits for, and after --rdzv-timeout gives up in one line —
+    no C++ stack traces, no worker started."""
+    endpoint = f"{nodes[0][1]}:29{os.getpid() % 900 + 100}"
+    start = time.monotonic()
+    result = run(["ip", "netns", "exec", nodes[1][0], sys.executable, "-m", "dtrain", "run", *JOB,
+                  "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "3",
+                  f"run.dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"dtrain: waiting for the rendezvous at {endpoint} (the first node serves it) ...",
+        f"dtrain: error: nothing answered at {endpoint} for 3 s (Connection refused): start the job on the node "
+        f"at that address, or check the address, the port and the firewall (--rdzv-timeout sets the wait)"]
+    assert time.monotonic() - start < 30 and not (tmp_path / "metrics.jsonl").exists()

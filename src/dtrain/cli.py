@@ -1,7 +1,7 @@
 """The `dtrain` command line.
 
     dtrain run CONFIG [--resume] [--nproc N] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]
-                      [--max-restarts R] [--local-addr ADDR] [section.key=value ...]
+                      [--rdzv-timeout S] [--max-restarts R] [--local-addr ADDR] [section.key=value ...]
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
@@ -27,7 +27,8 @@ from .errors import EXIT_USAGE, DtrainError
 # torch is imported only after the command line and config have been checked, so that a typo is
 # answered at once rather than after seconds of imports.
 
-LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "local_addr")
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "max_restarts",
+                "local_addr")
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="rendezvous address on the first node, reachable from every node")
     g.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes (default dtrain)")
+    g.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a node waits for the rendezvous and the other nodes (default 600)")
     g.add_argument("--max-restarts", type=int, default=None, metavar="R",
                    help="restart the whole group up to R times when a worker fails (default 0); "
                         "restarts resume from the newest checkpoint")

@@ -43,6 +43,11 @@ class RunConfig:
                        "events and model.safetensors.")
     seed: int = setting(0, "Seeds model init, the data order (as DistributedSampler(seed=...)) and "
                         "synthetic data.", min=0)
+    overwrite: bool = setting(False, "Start afresh even when run.dir holds an earlier run: its outputs "
+                              "(checkpoints included) are deleted first. Off: such a run.dir is resumed "
+                              "from its newest checkpoint, or refused when it has none.")
+    allow_other_files: bool = setting(False, "Write into a run.dir that holds files dtrain did not write "
+                                      "(they are left alone). Off: such a run.dir is refused.")
 
 
 @dataclass
@@ -280,6 +285,9 @@ def validate(config: Config) -> None:
     if not config.run.dir.strip():
         raise ConfigError("run.dir is empty (an unset shell variable?); give the folder the run writes to, "
                           "e.g. run.dir=runs/first")
+    if config.run.overwrite and config.checkpoint.resume == "yes":
+        raise ConfigError("run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
+                          "from a checkpoint: choose one")
     scheme = config.distributed.init_method.split("://", 1)[0]
     if "://" not in config.distributed.init_method or scheme not in ("env", "tcp", "file"):
         raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' is not "

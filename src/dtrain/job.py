@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, devices, distributed, models
+from . import checkpoint, data, devices, distributed, models, rundir
 from .amp import precision_problem
+from .checkpoint import RunDirLock
 from .comm import check_comm_hook
 from .config import Config
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
@@ -23,7 +24,9 @@ from .trainer import Trainer, check_shardable
 
 def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> None:
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
-    checkpoint.check_config_file_is_ours(Path(config.run.dir), Path(config_file) if config_file else None)
+    run_dir = Path(config.run.dir)
+    rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
+    rundir.check_usable(run_dir)
     backend = distributed.resolve_backend(config.distributed.backend)
     check_comm_hook(config.distributed.comm_hook, backend)
     gpus = devices.visible_gpus()
@@ -40,7 +43,15 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     n_train = data.size_hint(config)
     if n_train is not None:
         check_shardable(config, n_train, world_size)
-    checkpoint.preflight(config.checkpoint, Path(config.run.dir), world_size)
+    fresh = config.run.overwrite and not rundir.later_attempt()  # a restart of this run resumes instead
+    resume_from = checkpoint.preflight(config.checkpoint, run_dir, world_size, fresh=fresh)
+    if world_size > local_world_size:
+        return  # several nodes, maybe one shared run.dir: rank 0 takes it, wherever it runs (Trainer)
+    RunDirLock(run_dir).check_free()
+    # Last, once nothing else refuses the job: an earlier run's outputs go (run.overwrite) or refuse it.
+    rundir.remove(rundir.earlier_outputs(run_dir, resuming=resume_from is not None, overwrite=fresh,
+                                         allow_other_files=config.run.allow_other_files,
+                                         again=rundir.later_attempt()))
 
 
 def run(config: Config) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
+import time
 from dataclasses import dataclass
 
 from . import distributed, netaddr
@@ -26,6 +28,7 @@ class LaunchSpec:
     max_restarts: int = 0
     local_addr: str | None = None  # this node's address as the other nodes reach it
     shutdown_grace_s: float = 120.0  # after SIGTERM, before torchrun kills the workers
+    rdzv_timeout: float = 600.0  # seconds a node waits for the others (torchrun's join timeout)
 
     @property
     def min_nodes(self) -> int:
@@ -42,6 +45,8 @@ class LaunchSpec:
         if not all(p.isdigit() and int(p) >= 1 for p in parts) or len(parts) > 2 or (
                 len(parts) == 2 and int(parts[0]) > int(parts[1])):
             raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
+        if not 0 < self.rdzv_timeout < 1e9:
+            raise ConfigError(f"--rdzv-timeout must be a number of seconds above 0; got {self.rdzv_timeout:g}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0; got {self.max_restarts}")
         if self.multi_node and not self.rdzv_endpoint:
@@ -72,8 +77,8 @@ def torchrun_args(spec: LaunchSpec, entry: list[str], local_addr: str | None = N
     else:
         args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
-        if is_host:
-            args.append("--rdzv-conf=is_host=1")  # this node serves the store at the endpoint
+        # is_host: this node serves the store at the endpoint.
+        args.append(f"--rdzv-conf=join_timeout={int(spec.rdzv_timeout)}" + (",is_host=1" if is_host else ""))
     if local_addr:
         args.append(f"--local-addr={local_addr}")
     return args + entry
@@ -115,6 +120,9 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         interface = netaddr.interface_of(local_addr)
         if interface:  # gloo would otherwise bind whatever the hostname resolves to
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+    serves_endpoint = is_host if spec.node_rank is None else spec.node_rank == 0
+    if spec.rdzv_endpoint and not serves_endpoint:
+        wait_for_endpoint(spec.rdzv_endpoint, spec.rdzv_timeout)
     _quiet_elastic_logs()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
@@ -130,6 +138,30 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
               f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
               file=sys.stderr, flush=True)
         return 1
+
+
+def wait_for_endpoint(endpoint: str, timeout: float) -> None:
+    """Wait, saying so once, until something listens at the rendezvous endpoint (the first node's store);
+    give up after `timeout` s in one line. Left to torch, an endpoint that is not up yet fills the screen
+    with C++ stack traces and ends in an exception a minute or more later."""
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout)):
+                return
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise EnvironmentProblem(f"nothing answered at {endpoint} for {timeout:g} s ({reason}): start the "
+                                     f"job on the node at that address, or check the address, the port and the "
+                                     f"firewall (--rdzv-timeout sets the wait)")
+        if not said:
+            print(f"dtrain: waiting for the rendezvous at {endpoint} (the first node serves it) ...",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _report_failure(exc) -> int:

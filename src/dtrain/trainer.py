@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,10 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from . import distributed, perf
+from . import distributed, perf, rundir
 from .amp import precision_for
-from .checkpoint import (CONFIG_HEADER, CheckpointError, Checkpointer, Parts, Position, RunDirLock,
-                         atomic_write_text, check_config_file_is_ours, save_final_weights, truncate_metrics)
+from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, Position, RunDirLock,
+                         atomic_write_text, save_final_weights, truncate_metrics)
 from .comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
                    shared_memory_hook, timed_allreduce_hook)
 from .config import Config, profile_range
@@ -143,7 +144,7 @@ class Trainer:
 
         continuing = resume_from is not None and self.step < self.total_steps
         if session.is_main:
-            atomic_write_text(self.run_dir / "config.toml", CONFIG_HEADER + cfg.to_toml())
+            atomic_write_text(self.run_dir / "config.toml", rundir.CONFIG_HEADER + cfg.to_toml())
             if continuing:
                 # An epoch that ended exactly at the checkpoint is evaluated again on resume.
                 epoch_end_pending = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
@@ -216,12 +217,19 @@ class Trainer:
         return perf.flops_per_sample(self.module, inputs, len(target))
 
     def _take_run_dir(self) -> None:
-        """Rank 0 locks run.dir for the life of the run: two live runs must never share it."""
+        """Rank 0 locks run.dir for the life of the run (two live runs must never share it), clears an
+        earlier run's outputs or refuses them (see rundir), and checks the final weights will fit."""
         error = None
         if self.session.is_main:
             try:
-                check_config_file_is_ours(self.run_dir)
+                rundir.check_config_file_is_ours(self.run_dir)
                 self._lock.acquire()
+                run = self.config.run
+                fresh = run.overwrite and not rundir.later_attempt()
+                rundir.remove(rundir.earlier_outputs(
+                    self.run_dir, resuming=not fresh and CheckpointStore(self.run_dir).newest() is not None,
+                    overwrite=fresh, allow_other_files=run.allow_other_files, again=rundir.later_attempt()))
+                rundir.check_room(self.run_dir, _weights_bytes(self.module), "the final model.safetensors")
             except DtrainError as exc:
                 error = str(exc)
         error = distributed.first_error(error)
@@ -329,6 +337,8 @@ class Trainer:
                 save_final_weights(self.module, path)
             except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error on a full disk
                 error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+                if "No space left on device" in error:  # safetensors wraps it: "I/O error: ... (os error 28)"
+                    error = "No space left on device"
         error = distributed.first_error(error)
         if error is None:
             return
@@ -336,8 +346,12 @@ class Trainer:
             try:
                 self._save_checkpoint()
             except CheckpointError as exc:
+                # run.dir's disk is full: the last resort is the system's temporary folder (often another disk).
+                rescued = distributed.from_rank0(_rescue_weights(self.module) if self.session.is_main else None)
+                kept = (f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
+                        if rescued else f"and no copy could be written to {tempfile.gettempdir()} either")
                 raise DtrainError(f"could not write {path} ({error}), nor a checkpoint of the trained state "
-                                  f"({exc})") from None
+                                  f"({exc}); {kept}") from None
         raise DtrainError(f"could not write {path} ({error}); the trained state is safe in "
                           f"{self.checkpointer.store.root}/step-{self.step}: make room (or move what is in "
                           f"the way) and rerun the same command to write the weights")
@@ -510,6 +524,21 @@ class Trainer:
         self.monitor.log(record)
         self.metrics.resume()
         return record
+
+
+def _rescue_weights(module: nn.Module) -> str | None:
+    """model.safetensors in a new folder of the system's temporary folder; where, or None."""
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-"))
+        save_final_weights(module, folder / "model.safetensors")
+        return str(folder / "model.safetensors")
+    except Exception:  # noqa: BLE001 - anything: the caller reports that no copy was written
+        return None
+
+
+def _weights_bytes(module: nn.Module) -> int:
+    """About the size of model.safetensors: every tensor of the state dict, plus room for its header."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values()) + (64 << 10)
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -22,3 +22,26 @@ def not_a_model(input_shape, num_classes):
 
 def explode(config):
     raise RuntimeError("data factory exploded")
+
+
+
+_X = torch.randn(8, 3)
+# Data factories returning the wrong kind of thing.
+def returns_a_string(config): return "not data"  # noqa: E704
+def returns_a_number(config): return 3  # noqa: E704
+def returns_an_empty_set(config): return TensorDataset(_X[:0], _X[:0, 0].long())  # noqa: E704
+def returns_a_dict_without_train(config): return {"training": TensorDataset(_X, _X[:, 0].long())}  # noqa: E704
+def returns_a_bad_eval_set(config): return TensorDataset(_X, _X[:, 0].long()), 42  # noqa: E704
+def returns_unreadable_samples(config): return _Unreadable()  # noqa: E704
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise KeyError("no such sample")
+
+
+def no_parameters(input_shape, num_classes):
+    return nn.ReLU()

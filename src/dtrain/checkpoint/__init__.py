@@ -12,13 +12,12 @@ from pathlib import Path
 
 from ..config import CheckpointConfig
 from ..distributed import first_error, from_rank0
-from .files import (CONFIG_HEADER, RunDirLock, atomic_write_text, check_config_file_is_ours, check_run_dir_usable,
-                    save_final_weights)
+from .files import RunDirLock, atomic_write_text, save_final_weights
 from .state import Parts, Position, world_size_mismatch
 from .store import Checkpoint, CheckpointError, CheckpointStore
 
-__all__ = ["CONFIG_HEADER", "Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
-           "Position", "RunDirLock", "atomic_write_text", "check_config_file_is_ours", "save_final_weights",
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
+           "Position", "RunDirLock", "atomic_write_text", "save_final_weights",
            "truncate_metrics"]
 
 
@@ -119,17 +118,19 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
     return newest if mode != "no" else None
 
 
-def preflight(config: CheckpointConfig, run_dir: Path, world_size: int) -> None:
-    """What the launcher can refuse before starting workers: a run.dir in use, a resume that cannot
-    happen, a damaged checkpoint, a checkpoint from another world size."""
-    check_run_dir_usable(run_dir)
-    RunDirLock(run_dir).check_free()
+def preflight(config: CheckpointConfig, run_dir: Path, world_size: int, fresh: bool = False) -> Checkpoint | None:
+    """The checkpoint the run will continue from (None: a fresh start), or what the launcher can refuse
+    before starting workers: a resume that cannot happen, a damaged checkpoint, one from another world
+    size. `fresh`: the run starts afresh whatever run.dir holds (run.overwrite)."""
+    if fresh:
+        return None
     store = CheckpointStore(run_dir)
     checkpoint = choose_resume(store, config.resume)
     if checkpoint is not None:
         saved = store.check_intact(checkpoint).get("world_size")
         if saved is not None and saved != world_size:
             raise CheckpointError(world_size_mismatch(checkpoint.name, saved, world_size))
+    return checkpoint
 
 
 def _space_hint(store: CheckpointStore) -> str:

@@ -111,14 +111,35 @@ def _synthetic(data: DataConfig, seed: int) -> DataSplits:
 
 def _from_factory(config: Config) -> DataSplits:
     """A user factory returns a training set, or (train, eval), or a dict with 'train'/'eval'."""
-    fn = factory.resolve("data.name", config.data.name)
+    name = config.data.name
+    fn = factory.resolve("data.name", name)
     result: Any = factory.call(fn, {"config": config}, {})
     train, ev = _unpack(result)
-    if not isinstance(train, Dataset) and not hasattr(train, "__getitem__"):
-        raise DataError(f"data.name = '{config.data.name}' returned {type(train).__name__}; it must "
-                        f"return a map-style Dataset, (train, eval) or {{'train': ..., 'eval': ...}}")
-    return DataSplits(train, ev, input_shape=infer_input_shape(train),
-                      num_classes=infer_num_classes(train, config.data.num_classes))
+    _check_dataset(name, "its training set", train)
+    if ev is not None:
+        _check_dataset(name, "its eval set", ev)
+    try:
+        input_shape = infer_input_shape(train)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's __getitem__ or sample raises
+        raise DataError(f"data.name = '{name}': its first training sample cannot be read as (input, label) "
+                        f"({type(exc).__name__}: {exc})") from None
+    return DataSplits(train, ev, input_shape=input_shape, num_classes=infer_num_classes(train, config.data.num_classes))
+
+
+def _check_dataset(name: str, what: str, dataset: Any) -> None:
+    """A map-style dataset: indexable and sized (a str or a dict is neither), and not empty."""
+    usable = (isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__")) and hasattr(dataset, "__len__") \
+        and not isinstance(dataset, (str, bytes, dict))
+    if not usable:
+        raise DataError(f"data.name = '{name}' returned {type(dataset).__name__} as {what}; it must return a "
+                        f"map-style Dataset (with __getitem__ and __len__), (train, eval) or "
+                        f"{{'train': ..., 'eval': ...}}")
+    try:
+        size = len(dataset)
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"data.name = '{name}': len() of {what} failed ({type(exc).__name__}: {exc})") from None
+    if size == 0:
+        raise DataError(f"data.name = '{name}' returned an empty dataset as {what}")
 
 
 def _unpack(result: Any) -> tuple[Any, Any]:

@@ -1,0 +1,137 @@
+"""What a run directory holds, and what dtrain may do there.
+
+dtrain writes only the names in OUTPUTS (and its lock and temporary files). Anything else in run.dir is
+someone else's: dtrain never writes over it, and by default refuses to write beside it (TensorBoard would
+show two runs as one, a report would mix them). A fresh start over an earlier run's outputs is refused
+too, unless the user says to replace them (run.overwrite) or this is a later attempt of the same run
+(a torchrun restart, a SLURM requeue), whose earlier attempt's outputs it replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from .errors import DtrainError
+
+# Every name dtrain writes at the top of run.dir (`dtrain report` writes report/).
+OUTPUTS = ("config.toml", "metrics.jsonl", "model.safetensors", "tensorboard", "checkpoints", "diagnostics",
+           "profile", "report")
+LOCK = ".lock"
+
+# The first line of every config.toml dtrain writes: how it knows a run.dir's config.toml is its own.
+CONFIG_HEADER = "# The resolved config of this run, written by dtrain. Rerun with: dtrain run <this file>\n"
+
+
+def is_dtrains(name: str) -> bool:
+    """Whether dtrain writes this name in run.dir: an output, the lock, or an atomic write's temporary
+    file (".<output>.<random>.tmp")."""
+    return name in OUTPUTS or name == LOCK or (
+        name.endswith(".tmp") and name.startswith(tuple(f".{output}." for output in OUTPUTS)))
+
+
+def later_attempt(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is a restart of a run that already started (torchrun's restart, SLURM's requeue)."""
+    return any(environ.get(name, "0").strip() not in ("", "0")
+               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, allow_other_files: bool,
+                    again: bool) -> list[Path]:
+    """What must go before this run starts in `run_dir` (an earlier run's outputs), or a refusal.
+
+    `resuming`: the run continues from a checkpoint there, and its outputs are its own. `again`: a later
+    attempt of the same run. Nothing is deleted here: see `remove`."""
+    if not run_dir.is_dir():
+        return []
+    names = sorted(p.name for p in run_dir.iterdir())
+    others = [n for n in names if not is_dtrains(n)]
+    if others and not allow_other_files:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DtrainError(f"run.dir {run_dir} holds files dtrain did not write ({shown}); choose an empty or "
+                          f"new run.dir, or set run.allow_other_files=true to write beside them")
+    if resuming:
+        return []
+    earlier = [run_dir / n for n in names if n in OUTPUTS and n != "config.toml" and _holds_something(run_dir / n)]
+    if earlier and not (overwrite or again):
+        raise DtrainError(f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
+                          f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
+                          f"to replace them")
+    return earlier
+
+
+def _holds_something(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def remove(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def check_room(run_dir: Path, needed: int, what: str) -> None:
+    """Refuse to start a run whose `what` (e.g. its final weights, `needed` bytes) cannot fit in run.dir:
+    finding out at the end wastes the whole run."""
+    try:
+        stats = os.statvfs(next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists()))
+    except (OSError, StopIteration):
+        return
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise DtrainError(f"run.dir {run_dir} has {free:,} bytes free and {what} needs {needed:,}; make room or "
+                          f"choose a run.dir on a bigger disk")
+
+
+def check_config_file_is_ours(run_dir: Path, reading: Path | None = None) -> None:
+    """Refuse to write `<run_dir>/config.toml` over the config file being read or over any file that
+    dtrain did not write (a user's own config beside `run.dir = .`)."""
+    target = Path(run_dir) / "config.toml"
+    if not target.exists():
+        return
+    if reading is not None and Path(reading).exists() and os.path.samefile(target, reading):
+        raise DtrainError(f"run.dir = '{run_dir}' would write the run's config.toml over {reading}, the config "
+                          f"being read; choose another run.dir (e.g. run.dir=runs/{Path(reading).stem})")
+    if not _written_by_dtrain(target):
+        raise DtrainError(f"{target} is not a config dtrain wrote (a file of yours?) and a run writes its "
+                          f"config.toml there; choose another run.dir, or move the file")
+
+
+def _written_by_dtrain(path: Path) -> bool:
+    from .config import SECTIONS, tomllib
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CONFIG_HEADER):
+        return True
+    try:  # written before the header existed: every section, as the resolved config has them
+        return set(tomllib.loads(text)) == set(SECTIONS)
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def check_usable(run_dir: Path) -> None:
+    """What the launcher can see before any worker starts: run.dir is (or can become) a writable
+    folder, and the name of the final weights is free for a file."""
+    try:
+        run_dir.resolve(strict=False)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise DtrainError(f"run.dir {run_dir} is a file, not a folder; choose another run.dir")
+        existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a path too long
+        raise DtrainError(f"run.dir {run_dir} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
+                          f"choose another run.dir") from None
+    # os.access, not the mode bits: it also answers for root and for read-only mounts.
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DtrainError(f"run.dir {run_dir} cannot be written ({existing} is not a writable folder); "
+                          f"choose another run.dir")
+    weights = run_dir / "model.safetensors"
+    if weights.exists() and not weights.is_file():
+        raise DtrainError(f"{weights} is not a file (a folder?), and the run writes its final weights there; "
+                          f"move it or choose another run.dir")

@@ -1,0 +1,94 @@
+"""What run.dir may hold: dtrain writes beside nobody's files and over no earlier run unless told to, and a
+run.dir that cannot be written is refused by the launcher — with real runs, real files and real mounts."""
+
+import os
+import re
+
+import pytest
+
+from helpers import dtrain, mount_tmpfs, ok, train_lines, unmount
+
+JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=200", "data.input_shape=[12]",
+       "data.batch_size=32", "training.epochs=1", "training.log_every=1", "model.hidden_size=16"]  # 5 steps, 1 process
+
+
+def refused(result, message):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert lines == [f"dtrain: error: {message}"], result.stderr
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def event_files(run_dir):
+    return sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_run_dir_holding_other_files_is_refused_unless_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("my notes")
+    (run_dir / "data").mkdir()
+    refused(dtrain("run", *JOB, f"run.dir={run_dir}"),
+            f"run.dir {run_dir} holds files dtrain did not write (data, notes.txt); choose an empty or new "
+            f"run.dir, or set run.allow_other_files=true to write beside them")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["data", "notes.txt"]
+    ok(dtrain("run", *JOB, f"run.dir={run_dir}", "run.allow_other_files=true"))
+    assert (run_dir / "notes.txt").read_text() == "my notes" and (run_dir / "model.safetensors").is_file()
+
+
+def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
+    """No checkpoint to continue from: a rerun would mix two runs in one TensorBoard and one metrics
+    file. Refused, untouched; with run.overwrite=true the earlier outputs go first."""
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))
+    before = snapshot(tmp_path)
+    refused(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01"),
+            f"run.dir {tmp_path} holds an earlier run's outputs (metrics.jsonl, model.safetensors, tensorboard) and "
+            f"no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true to replace them")
+    assert snapshot(tmp_path) == before
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
+    assert len(event_files(tmp_path)) == 1  # one run in TensorBoard, not two
+    assert [m["step"] for m in train_lines(tmp_path)] == [1, 2, 3, 4, 5]
+    assert all(m["lr"] <= 0.01 for m in train_lines(tmp_path))  # the new run's, only
+
+
+def test_overwrite_starts_afresh_even_over_checkpoints(tmp_path):
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4", "step-5"]
+    resumed = ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))  # without it: the finished run is found
+    assert "the run is already complete" in resumed.stderr
+    again = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "training.epochs=2"))
+    assert "resumed" not in again.stderr
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 11))
+    assert not (tmp_path / "checkpoints").exists() and len(event_files(tmp_path)) == 1
+    refused(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "--resume"),
+            "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues from a "
+            "checkpoint: choose one")
+
+
+def test_a_restarted_group_replaces_its_first_attempts_outputs(tmp_path):
+    """torchrun restarts the workers after a crash with no checkpoint yet: the same run again, whose
+    outputs replace those of the attempt that died (no refusal, no second TensorBoard run)."""
+    result = ok(dtrain("run", *JOB, "model.name=faults:dying_mlp",
+                       "model.options={hidden_size = 16, die_at_forward = 4, die_rank = 1}", "--nproc", "2",
+                       "--max-restarts", "1", "training.epochs=2", f"run.dir={tmp_path}"))
+    assert "resumed" not in result.stderr
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))  # 80 samples a rank: 3 steps an epoch
+    assert len(event_files(tmp_path)) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only filesystem needs root")
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path):
+    """Root may write anywhere the mode bits forbid, never on a read-only mount: the launcher finds it."""
+    mount = tmp_path / "ro"
+    if not mount_tmpfs(mount, "1m", read_only=True):
+        pytest.fail("mount -t tmpfs -o ro failed as root")
+    try:
+        result = dtrain("run", *JOB, f"run.dir={mount / 'run'}")
+        refused(result, f"run.dir {mount / 'run'} cannot be written ({mount} is not a writable folder); choose "
+                        f"another run.dir")
+        assert not re.search(r"rank \d", result.stderr)  # the launcher, before any worker
+    finally:
+        unmount(mount)
