@@ -26,3 +26,17 @@ def run_workers(script: str, *args: str, nproc: int = 2) -> Any:
         if done.returncode != 0:
             sys.exit(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr}")
         return json.loads(out.read_text())
+
+
+def ratio_table(results: dict[str, list[float]], unit: str, against: dict[str, str]) -> str:
+    """Markdown: each variant's median `unit`, its runs, and its ratio to each baseline
+    (`against`: column title → variant)."""
+    import statistics
+
+    med = {v: statistics.median(r) for v, r in results.items()}
+    rows = [f"| variant | median {unit} | runs | " + " | ".join(f"vs {title}" for title in against) + " |",
+            "| --- | ---: | ---: | " + " | ".join("---:" for _ in against) + " |"]
+    for v in results:
+        ratios = " | ".join(f"{med[v] / med[base]:.2f}×" for base in against.values())
+        rows.append(f"| {v} | {med[v]:,.0f} | {len(results[v])} | {ratios} |")
+    return "\n".join(rows)

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import run_workers
+from harness import ratio_table, run_workers
 
 VARIANTS = ("dtrain", "plain", "guide", "ceiling")
 N_SAMPLES, BATCH, LR = 60_000, 64, 0.01
@@ -213,16 +212,6 @@ def measure(variant: str, steps: int, nproc: int) -> float:
     return run_workers(__file__, "--worker", variant, "--steps", str(steps), nproc=nproc)["samples_per_s"]
 
 
-def table(results: dict[str, list[float]]) -> str:
-    med = {v: statistics.median(r) for v, r in results.items()}
-    rows = ["| variant | median samples/s | runs | vs plain loop | vs guide's script |",
-            "| --- | ---: | ---: | ---: | ---: |"]
-    for v in results:
-        rows.append(f"| {v} | {med[v]:,.0f} | {len(results[v])} | {med[v] / med['plain']:.2f}× | "
-                    f"{med[v] / med['guide']:.2f}× |")
-    return "\n".join(rows)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -241,7 +230,7 @@ def main() -> None:
             results[variant].append(measure(variant, args.steps, args.nproc))
             print(f"round {round_ + 1}/{args.rounds} {variant}: {results[variant][-1]:,.0f} samples/s",
                   file=sys.stderr, flush=True)
-    print(table(results))
+    print(ratio_table(results, "samples/s", {"plain loop": "plain", "guide's script": "guide"}))
 
 
 if __name__ == "__main__":

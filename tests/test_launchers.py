@@ -1,12 +1,14 @@
 """Every way a worker can be started finds the same ranks and takes the same steps."""
 
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, TIMEOUT, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines, weights
+from helpers import (ROOT, TIMEOUT, WORKERS, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines,
+                     weights)
 
 JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=301", "data.input_shape=[10]",
        "model.hidden_size=16", "training.epochs=1", "training.log_every=1", "data.batch_size=32"]
@@ -112,3 +114,18 @@ def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, messa
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("dtrain: error: ") and message in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):
+    """Under `dtrain launch` a user script that raises everywhere is one traceback with its rank, not
+    N interleaved copies; a DtrainError raised in a script is one line with exit status 2."""
+    crash = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "crash")
+    assert crash.returncode == 1, crash.stderr
+    assert crash.stderr.count("Traceback (most recent call last)") == 1, crash.stderr
+    rank = re.search(r"^dtrain: error: rank (\d) \(local rank \d\) exited with status 1:$", crash.stderr, re.M)
+    assert rank and crash.stderr.count(f"RuntimeError: boom on rank {rank.group(1)}") == 1, crash.stderr
+    assert "[rank" not in crash.stderr and "boom on rank" in crash.stderr.splitlines()[-1]
+    refuse = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "refuse")
+    assert refuse.returncode == 2, refuse.stderr
+    assert [line for line in refuse.stderr.splitlines() if line.strip()] == [
+        "dtrain: error: data.path = 'nowhere' does not exist; give the folder of the shards"]

@@ -113,3 +113,20 @@ def test_an_endpoint_nobody_serves_is_waited_for_then_given_up_in_one_line(nodes
         f"dtrain: error: nothing answered at {endpoint} for 3 s (Connection refused): start the job on the node "
         f"at that address, or check the address, the port and the firewall (--rdzv-timeout sets the wait)"]
     assert time.monotonic() - start < 30 and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_endpoint_whose_name_does_not_resolve_yet_is_waited_for_too(tmp_path):
+    """A Kubernetes service or a SLURM head node that is not up yet has no address: wait for it, as for
+    an endpoint that does not answer, then give up in one line."""
+    result = run([sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+                  "no-such-node.invalid:29500", "--rdzv-timeout", "2", f"run.dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == "dtrain: waiting for the rendezvous at no-such-node.invalid:29500 (the first node serves it) ..."
+    assert len(lines) == 2 and lines[1].startswith(
+        "dtrain: error: nothing answered at no-such-node.invalid:29500 for 2 s (no-such-node.invalid does not resolve: ")
+    for bad in ("0.5", "1e20"):
+        refused = run([sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--rdzv-endpoint", "h:1",
+                       "--rdzv-timeout", bad, f"run.dir={tmp_path}"])
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            f"dtrain: error: --rdzv-timeout must be from 1 to 10,000,000 seconds; got {float(bad):g}"), refused.stderr

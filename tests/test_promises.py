@@ -227,10 +227,15 @@ def test_dtrain_config_prints_the_resolved_config_and_the_reference():
 # --- doctor's warnings ----------------------------------------------------------------------------
 
 
-def test_doctor_warns_about_too_many_threads():
+def test_doctor_warns_about_too_many_threads_and_measures_the_peak_for_mfu():
     result = dtrain_cli("doctor", extra_env={"OMP_NUM_THREADS": "512"})
     assert result.returncode == 1
     assert re.search(r"OMP_NUM_THREADS=512 exceeds the \d+ core\(s\) this process may use", result.stdout)
+    measured = re.search(r"^matmul \(cpu, \d+ thread\(s\) per process for 1 process\(es\)\): fp32 ([\d.e+-]+) "
+                         r"TFLOP/s, bf16 ([\d.e+-]+) TFLOP/s per process; for an MFU on this CPU pass "
+                         r"monitor.peak_tflops=([\d.e+-]+)", result.stdout, re.M)
+    assert measured and float(measured.group(1)) > 0 and float(measured.group(2)) > 0
+    assert measured.group(3) == measured.group(1)
 
 
 def test_doctor_warns_about_a_small_dev_shm():

@@ -48,7 +48,9 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
             f"run.dir {tmp_path} holds an earlier run's outputs (metrics.jsonl, model.safetensors, tensorboard) and "
             f"no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true to replace them")
     assert snapshot(tmp_path) == before
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
+    result = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
+    assert "replaced the outputs of the earlier run (run.overwrite): metrics.jsonl, model.safetensors, tensorboard" \
+        in result.stderr
     assert len(event_files(tmp_path)) == 1  # one run in TensorBoard, not two
     assert [m["step"] for m in train_lines(tmp_path)] == [1, 2, 3, 4, 5]
     assert all(m["lr"] <= 0.01 for m in train_lines(tmp_path))  # the new run's, only
@@ -75,6 +77,7 @@ def test_a_restarted_group_replaces_its_first_attempts_outputs(tmp_path):
                        "model.options={hidden_size = 16, die_at_forward = 4, die_rank = 1}", "--nproc", "2",
                        "--max-restarts", "1", "training.epochs=2", f"run.dir={tmp_path}"))
     assert "resumed" not in result.stderr
+    assert "replaced the outputs of an earlier attempt of this run: metrics.jsonl, tensorboard" in result.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))  # 80 samples a rank: 3 steps an epoch
     assert len(event_files(tmp_path)) == 1
 
@@ -92,3 +95,76 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path
         assert not re.search(r"rank \d", result.stderr)  # the launcher, before any worker
     finally:
         unmount(mount)
+
+
+@pytest.mark.parametrize("stranger, message", [
+    ("checkpoints/bert.pt", "checkpoints is where dtrain writes its checkpoints, and it is it holds bert.pt"),
+    ("tensorboard", "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a file of yours?)"),
+    ("metrics.jsonl/data.txt", "metrics.jsonl is where dtrain writes its metrics.jsonl, and it is not a file"),
+    ("model.safetensors", "model.safetensors is where dtrain writes its model.safetensors, and it is weights dtrain "
+                          "did not write"),
+])
+def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path, stranger, message):
+    """run.overwrite and run.allow_other_files never make dtrain delete or write into what it did not
+    write, even at one of its own names."""
+    path = tmp_path / stranger
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if stranger == "model.safetensors":
+        from safetensors.torch import save_file
+        import torch
+
+        save_file({"w": torch.ones(2)}, str(path), metadata={"format": "pt"})  # someone's pretrained weights
+    else:
+        path.write_text("precious")
+    before = snapshot(tmp_path)
+    result = dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "run.allow_other_files=true")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_deletes_nothing_when_the_run_is_refused_after_all(tmp_path):
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+    before = snapshot(tmp_path)
+    result = dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "model.name=os:getcwd")
+    assert result.returncode == 2 and "returned str, not a torch.nn.Module" in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").symlink_to(victim)
+    result = dtrain("run", *JOB, f"run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert f"run.dir {run_dir}: .lock is where dtrain writes its .lock, and it is not dtrain's lock file" \
+        in result.stderr
+    assert victim.read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["/", "~"])
+def test_the_root_and_home_folders_are_never_a_run_dir(where):
+    shown = os.path.expanduser(where)
+    refused(dtrain("run", *JOB, f"run.dir={where}", "run.allow_other_files=true", "run.overwrite=true"),
+            f"run.dir {shown} is {'the root folder' if where == '/' else 'your home folder'}; give the run a "
+            f"folder of its own, e.g. run.dir=runs/first")
+
+
+def test_the_api_refuses_before_training_what_the_launcher_would(tmp_path):
+    """dtrain.Trainer without the launcher: a folder in the way of the final weights is found before the
+    first step, in one DtrainError."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import dtrain
+
+    (tmp_path / "model.safetensors").mkdir()
+    config = dtrain.Config.from_dict({"run": {"dir": str(tmp_path)}, "training": {"epochs": 1}})
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(16, 3)
+    trainer = dtrain.Trainer(config, model=model, train_data=TensorDataset(x, (x[:, 0] > 0).long()))
+    with pytest.raises(dtrain.DtrainError, match="model.safetensors is not a file \\(a folder\\?\\), and the run "
+                                                 "writes its final weights there"):
+        trainer.fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no lock, no outputs left

@@ -7,6 +7,8 @@
     dtrain config --reference                         every key, its default and meaning
     dtrain doctor [--nproc N ...]                     environment report; all-reduce bandwidth test
     dtrain report RUN_DIR                             plots and a summary of a run
+    dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
+    dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
 `python -m dtrain run ...` again in every worker; a worker (torchrun, srun or mpirun set its rank)
@@ -106,7 +108,8 @@ def cmd_launch(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not args.module and not os.path.isfile(args.script):
         raise DtrainError(f"script {args.script} does not exist")
-    entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
+    # Each worker runs the script through dtrain.script: its failures are then reported once.
+    entry = ["-m", "dtrain.script", *(["-m"] if args.module else []), args.script, *args.script_args]
     from .launch import launch
 
     return launch(_spec(args), entry)
@@ -145,7 +148,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
     if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:
         return doctor.bandwidth_worker(args.iters)
-    status = doctor.main_report()
+    status = doctor.main_report(args.nproc or 1)
     if not _explicit_launch(args):
         return status
     from .launch import launch
@@ -169,8 +172,56 @@ def cmd_report(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_prepare(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dtrain prepare", description="Turn text into token shards for data.name=tokens (see data/tokens.py).")
+    kinds = parser.add_subparsers(dest="kind", required=True, metavar="text")
+    text = kinds.add_parser("text", help="text files, folders or globs → DIR/meta.json and DIR/*.bin")
+    text.add_argument("sources", nargs="*", metavar="SRC", help="files, folders (searched recursively) or globs")
+    text.add_argument("--out", required=True, metavar="DIR", help="a new folder for the shards")
+    text.add_argument("--python-stdlib", action="store_true",
+                      help="take the running Python's standard-library source as the corpus (no download)")
+    text.add_argument("--tokenizer", default="bpe", metavar="bpe|bytes|FILE.json",
+                      help="bpe: a byte-level BPE trained on the training documents (default); bytes: one token "
+                           "per byte; or a Hugging Face tokenizer.json")
+    text.add_argument("--vocab-size", type=int, default=4096, metavar="N", help="BPE vocabulary (default 4096)")
+    text.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                      help="share of documents held out for evaluation (default 0.05)")
+    text.add_argument("--workers", type=int, default=0, metavar="N", help="encoding processes (default: up to 4)")
+    text.add_argument("--dtype", default="auto", metavar="auto|uint16|uint32", help="token type on disk")
+    args = parser.parse_args(argv)
+    if not args.sources and not args.python_stdlib:
+        raise DtrainError("dtrain prepare text needs SRC files or folders, or --python-stdlib")
+    from .prepare import prepare_text
+
+    meta = prepare_text(args.sources, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                        val_fraction=args.val_fraction, workers=args.workers, python_stdlib=args.python_stdlib,
+                        dtype=args.dtype)
+    splits = meta["splits"]
+    print(f"{args.out}: {splits['train']['tokens']:,} training and {splits['val']['tokens']:,} held-out tokens "
+          f"from {meta['source']['documents']:,} documents; vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), "
+          f"{meta['dtype']}. Train with data.name=tokens data.path={args.out}")
+    return 0
+
+
+def cmd_generate(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dtrain generate",
+                                     description="Print a sample from a language model a run trained.")
+    parser.add_argument("run_dir", help="the run.dir of a finished run (config.toml, model.safetensors)")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from .generate import generate
+
+    print(generate(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "launch": cmd_launch, "config": cmd_config, "doctor": cmd_doctor,
-            "report": cmd_report}
+            "report": cmd_report, "prepare": cmd_prepare, "generate": cmd_generate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

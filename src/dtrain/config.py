@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import math
 import sys
 import typing
@@ -79,17 +80,21 @@ class DistributedConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = setting("mlp", "mlp (the guide's Linear-ReLU-Linear), cnn, or a factory "
-                        "'package.module:function'.")
+    name: str = setting("mlp", "mlp (the guide's Linear-ReLU-Linear), cnn, gpt (a decoder-only transformer for "
+                        "data.name=tokens), or a factory 'package.module:function'.")
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
-    options: dict = setting({}, "Keyword arguments passed to a model factory.")
+    options: dict = setting({}, "Keyword arguments passed to a model factory (gpt: n_layer, n_head, n_embd, "
+                            "block_size, dropout, bias).")
 
 
 @dataclass
 class DataConfig:
-    name: str = setting("digits", "digits (ships with scikit-learn), mnist (IDX files), synthetic, "
-                        "or a factory 'package.module:function'.")
-    path: str = setting("data/mnist", "Folder holding the four MNIST IDX files (plain or .gz).")
+    name: str = setting("digits", "digits (ships with scikit-learn), mnist (IDX files), synthetic, tokens "
+                        "(shards made by `dtrain prepare`), or a factory 'package.module:function'.")
+    path: str = setting("data/mnist", "Folder holding the four MNIST IDX files (plain or .gz), or the token "
+                        "shards and meta.json (data.name=tokens).")
+    block_size: int = setting(256, "Tokens per training window (data.name=tokens): each sample is "
+                              "block_size inputs and their next tokens.", min=1, max=2**20)
     download: bool = setting(False, "Download MNIST into data.path when the files are missing.")
     batch_size: int = setting(64, "Samples per micro-batch, per process.", min=1, max=2**24)
     eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1, max=2**24)
@@ -160,6 +165,9 @@ class MonitorConfig:
     flops: Literal["auto", "yes", "no"] = setting(
         "auto", "Count model FLOPs per sample once with torch's FLOP counter (about 2 s at start-up): "
         "auto does it where MFU can be reported (a known GPU, or monitor.peak_tflops set).")
+    trackers: list[str] = setting(["tensorboard"], "Where metrics go besides metrics.jsonl: tensorboard, mlflow "
+                                  "(run.dir/mlruns unless MLFLOW_TRACKING_URI), wandb (run.dir/wandb; honours "
+                                  "WANDB_MODE=offline). Rank 0 only; [] for none.")
     debug: bool = setting(False, "torch's distributed debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL on nccl "
                           "(every collective's shapes checked across ranks; slower; for finding "
                           "desyncs), INFO on gloo (DETAIL crashes DDP on gloo in torch 2.13).")
@@ -285,6 +293,15 @@ def validate(config: Config) -> None:
     if not config.run.dir.strip():
         raise ConfigError("run.dir is empty (an unset shell variable?); give the folder the run writes to, "
                           "e.g. run.dir=runs/first")
+    # A path the shell did not expand (run.dir=~/runs/x is one argument, not an assignment): expand it,
+    # rather than make a folder called "~" in the current one.
+    config.run.dir = os.path.expanduser(config.run.dir)
+    config.data.path = os.path.expanduser(config.data.path)
+    trackers = config.monitor.trackers
+    unknown = [t for t in trackers if t not in ("tensorboard", "mlflow", "wandb")]
+    if unknown or len(set(trackers)) != len(trackers):
+        raise ConfigError(f"monitor.trackers = {trackers}: each of tensorboard, mlflow, wandb at most once"
+                          + (f"; '{unknown[0]}' is none of them" if unknown else ""))
     if config.run.overwrite and config.checkpoint.resume == "yes":
         raise ConfigError("run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
                           "from a checkpoint: choose one")
@@ -295,8 +312,8 @@ def validate(config: Config) -> None:
     if scheme == "tcp" and not _has_port(config.distributed.init_method):
         raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' needs a "
                           f"port: tcp://host:port")
-    for key, value, builtins in (("model.name", config.model.name, ("mlp", "cnn")),
-                                 ("data.name", config.data.name, ("digits", "mnist", "synthetic"))):
+    for key, value, builtins in (("model.name", config.model.name, ("mlp", "cnn", "gpt")),
+                                 ("data.name", config.data.name, ("digits", "mnist", "synthetic", "tokens"))):
         if value not in builtins and not _is_factory_ref(value):
             close = difflib.get_close_matches(value, builtins, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""

@@ -16,7 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -371,14 +371,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, by rank (a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    _let_gloo_release_python_objects()
+    return gathered
+
+
 def first_error(error: str | None) -> str | None:
     """Every rank learns the lowest rank's error message, if any rank has one (a collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    _let_gloo_release_python_objects()
-    return next((e for e in errors if e is not None), None)
+    return next((e for e in gather_objects(error) if e is not None), None)
 
 
 def hostnames() -> list[str]:

@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,6 +18,7 @@ from .checkpoint import RunDirLock
 from .comm import check_comm_hook
 from .config import Config
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
+from .trackers import check_installed
 from .trainer import Trainer, check_shardable
 
 
@@ -27,6 +28,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     run_dir = Path(config.run.dir)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
+    check_installed([t for t in config.monitor.trackers if t != "tensorboard"])
     backend = distributed.resolve_backend(config.distributed.backend)
     check_comm_hook(config.distributed.comm_hook, backend)
     gpus = devices.visible_gpus()
@@ -39,19 +41,18 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         if problem:
             raise ConfigError(problem)
     data.prepare(config)
-    data.check(config)
+    data.check(config, world_size)
     n_train = data.size_hint(config)
     if n_train is not None:
         check_shardable(config, n_train, world_size)
+    rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not rundir.later_attempt()  # a restart of this run resumes instead
     resume_from = checkpoint.preflight(config.checkpoint, run_dir, world_size, fresh=fresh)
     if world_size > local_world_size:
-        return  # several nodes, maybe one shared run.dir: rank 0 takes it, wherever it runs (Trainer)
+        return  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()
-    # Last, once nothing else refuses the job: an earlier run's outputs go (run.overwrite) or refuse it.
-    rundir.remove(rundir.earlier_outputs(run_dir, resuming=resume_from is not None, overwrite=fresh,
-                                         allow_other_files=config.run.allow_other_files,
-                                         again=rundir.later_attempt()))
+    # Refused now if it must be; deleted (run.overwrite) only by rank 0 once the run has started.
+    rundir.earlier_outputs(run_dir, resuming=resume_from is not None, overwrite=fresh, again=rundir.later_attempt())
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -69,7 +70,12 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def worker_main(config: Config) -> int:
-    """Run as a worker; turn failures into one report (exit 2 for bad input, 1 for a crash).
+    """Train `config` as a worker; failures reported as `as_worker` says."""
+    return as_worker(lambda: run(config))
+
+
+def as_worker(work: Callable[[], Any]) -> int:
+    """Run `work` as a worker; turn failures into one report (exit 2 for bad input, 1 for a crash).
 
     Under dtrain's launcher a worker writes its error to torchrun's error file and prints nothing:
     the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
@@ -78,7 +84,7 @@ def worker_main(config: Config) -> int:
     distributed.die_with_the_launcher()
     rank = _rank_from_env()
     try:
-        run(config)
+        work()
         return 0
     except Preempted as exc:
         if rank == 0:

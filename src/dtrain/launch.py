@@ -18,6 +18,9 @@ from . import distributed, netaddr
 from .errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 
 
+MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
+
+
 @dataclass
 class LaunchSpec:
     nproc: int = 1
@@ -45,8 +48,8 @@ class LaunchSpec:
         if not all(p.isdigit() and int(p) >= 1 for p in parts) or len(parts) > 2 or (
                 len(parts) == 2 and int(parts[0]) > int(parts[1])):
             raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
-        if not 0 < self.rdzv_timeout < 1e9:
-            raise ConfigError(f"--rdzv-timeout must be a number of seconds above 0; got {self.rdzv_timeout:g}")
+        if not 1 <= self.rdzv_timeout <= MAX_RDZV_TIMEOUT:  # torchrun takes whole seconds, at least 1
+            raise ConfigError(f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0; got {self.max_restarts}")
         if self.multi_node and not self.rdzv_endpoint:
@@ -84,20 +87,63 @@ def torchrun_args(spec: LaunchSpec, entry: list[str], local_addr: str | None = N
     return args + entry
 
 
-def _own_address(spec: LaunchSpec) -> tuple[str | None, bool]:
-    """This node's address and whether it hosts the rendezvous (multi-node only)."""
+class _Wait:
+    """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line."""
+
+    def __init__(self, endpoint: str, timeout: float):
+        self.endpoint, self.timeout = endpoint, timeout
+        self.deadline = time.monotonic() + timeout
+        self._said = False
+
+    def again(self, reason: str) -> None:
+        """Say so (the first time) and sleep a little; or give up, past the deadline."""
+        if time.monotonic() >= self.deadline:
+            raise EnvironmentProblem(f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
+                                     f"the job on the node at that address, or check the address, the port and "
+                                     f"the firewall (--rdzv-timeout sets the wait)")
+        if not self._said:
+            print(f"dtrain: waiting for the rendezvous at {self.endpoint} (the first node serves it) ...",
+                  file=sys.stderr, flush=True)
+            self._said = True
+        time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
+
+
+def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool]:
+    """This node's address and whether it hosts the rendezvous (multi-node only). An endpoint whose
+    name does not resolve yet (a Kubernetes service, a SLURM head node starting) is waited for."""
     if not spec.rdzv_endpoint:
         return spec.local_addr, False
     host = spec.rdzv_endpoint.rpartition(":")[0]
-    try:
-        local, is_host = netaddr.node_address(host)
-    except OSError as exc:
-        raise EnvironmentProblem(f"--rdzv-endpoint {spec.rdzv_endpoint}: cannot find a route to {host} "
-                                 f"({exc}); check the address, or pass --local-addr") from None
+    while True:
+        try:
+            local, is_host = netaddr.node_address(host)
+            break
+        except socket.gaierror as exc:
+            wait.again(f"{host} does not resolve: {exc.strerror}")
+        except OSError as exc:
+            raise EnvironmentProblem(f"--rdzv-endpoint {spec.rdzv_endpoint}: no route to {host} from this node "
+                                     f"({exc.strerror or exc}); check the address and this node's network") from None
     if spec.local_addr:
-        is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
+        try:
+            is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
+        except OSError as exc:
+            raise EnvironmentProblem(f"--local-addr {spec.local_addr} does not resolve ({exc.strerror or exc}); give "
+                                     f"this node's address as the other nodes reach it") from None
         local = spec.local_addr
     return local, is_host
+
+
+def wait_for_endpoint(wait: _Wait) -> None:
+    """Wait until something listens at the rendezvous endpoint (the first node's store). Left to torch,
+    an endpoint that is not up yet fills the screen with C++ stack traces and ends in an exception a
+    minute or more later."""
+    host, _, port = wait.endpoint.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, wait.timeout)):
+                return
+        except OSError as exc:
+            wait.again(exc.strerror or type(exc).__name__)
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
@@ -115,14 +161,15 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     # Give each restarted group a fresh rendezvous store: when the workers share the agent's store, a
     # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    local_addr, is_host = _own_address(spec)
+    wait = _Wait(spec.rdzv_endpoint, spec.rdzv_timeout) if spec.rdzv_endpoint else None
+    local_addr, is_host = _own_address(spec, wait)
     if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = netaddr.interface_of(local_addr)
         if interface:  # gloo would otherwise bind whatever the hostname resolves to
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     serves_endpoint = is_host if spec.node_rank is None else spec.node_rank == 0
-    if spec.rdzv_endpoint and not serves_endpoint:
-        wait_for_endpoint(spec.rdzv_endpoint, spec.rdzv_timeout)
+    if wait and not serves_endpoint:
+        wait_for_endpoint(wait)
     _quiet_elastic_logs()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
@@ -138,30 +185,6 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
               f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
               file=sys.stderr, flush=True)
         return 1
-
-
-def wait_for_endpoint(endpoint: str, timeout: float) -> None:
-    """Wait, saying so once, until something listens at the rendezvous endpoint (the first node's store);
-    give up after `timeout` s in one line. Left to torch, an endpoint that is not up yet fills the screen
-    with C++ stack traces and ends in an exception a minute or more later."""
-    host, _, port = endpoint.rpartition(":")
-    deadline = time.monotonic() + timeout
-    said = False
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout)):
-                return
-        except OSError as exc:
-            reason = exc.strerror or type(exc).__name__
-        if time.monotonic() >= deadline:
-            raise EnvironmentProblem(f"nothing answered at {endpoint} for {timeout:g} s ({reason}): start the "
-                                     f"job on the node at that address, or check the address, the port and the "
-                                     f"firewall (--rdzv-timeout sets the wait)")
-        if not said:
-            print(f"dtrain: waiting for the rendezvous at {endpoint} (the first node serves it) ...",
-                  file=sys.stderr, flush=True)
-            said = True
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _report_failure(exc) -> int:

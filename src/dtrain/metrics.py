@@ -38,22 +38,25 @@ class StepMetrics:
         self.margin = straggler_margin
         self._steps = 0
         self._samples = 0
+        self._tokens: int | None = None  # counted only for token-sequence data
         self._start = time.perf_counter()
         self._paused_at: float | None = None
         self._windows = 0
 
     def restart(self) -> None:
         """Start the window afresh (set-up time is not training time)."""
-        self._steps, self._samples, self._start = 0, 0, time.perf_counter()
+        self._steps, self._samples, self._tokens, self._start = 0, 0, None, time.perf_counter()
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         finite = torch.isfinite(norm)
         self.norm_sum += torch.where(finite, norm, 0.0)
         self.norm_count += finite
 
-    def step_done(self, samples: int) -> None:
+    def step_done(self, samples: int, tokens: int | None = None) -> None:
         self._steps += 1
         self._samples += samples
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) + tokens
 
     def pause(self) -> None:
         """Evaluation and checkpoints do not count as training time."""
@@ -90,6 +93,8 @@ class StepMetrics:
         if self.count_skips:  # gradients are synchronised: every rank skips the same steps
             record["skipped_steps"] = int(max(r[_SKIPPED] for r in rows))
         record["samples_per_s"] = samples_per_s
+        if self._tokens is not None:
+            record["tokens_per_s"] = self._tokens * self.world_size / seconds
         stop = any(r[_STOP] > 0 for r in rows)
         if phases is not None:
             record.update(self._breakdown(rows))
@@ -98,7 +103,7 @@ class StepMetrics:
             record["flops_per_sample"] = self.flops_per_sample
             if self.peak_flops:
                 record["mfu"] = self.flops_per_sample * samples_per_s / (self.world_size * self.peak_flops)
-        self._steps, self._samples, self._start = 0, 0, now
+        self._steps, self._samples, self._tokens, self._start = 0, 0, None, now
         return record, stop
 
     def _breakdown(self, rows: list[list[float]]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """What a run reports: rank 0's console (a progress bar on a terminal, plain lines otherwise),
-TensorBoard event files and `metrics.jsonl`. Every rank holds a Monitor; only rank 0's writes.
+`metrics.jsonl`, TensorBoard event files and the other trackers monitor.trackers names (trackers.py).
+Every rank holds a Monitor; only rank 0's writes.
 
 The trainer hands over numbers already reduced across ranks and already on the host — the monitor
 never touches the device, so it cannot add a sync to the training step.
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .trackers import open_trackers
+
 # TensorBoard tags for the keys of a metrics record.
 TB_TAGS = {
     "loss": "train/loss",
@@ -19,8 +22,10 @@ TB_TAGS = {
     "grad_norm": "train/grad_norm",
     "skipped_steps": "train/skipped_steps",  # fp16: steps GradScaler skipped in the window
     "samples_per_s": "train/samples_per_s",
+    "tokens_per_s": "train/tokens_per_s",  # token data
     "eval_loss": "eval/loss",
     "eval_accuracy": "eval/accuracy",
+    "eval_perplexity": "eval/perplexity",
     "step_ms": "time/step_ms",
     "data_ms": "time/data_ms",
     "compute_ms": "time/compute_ms",
@@ -32,19 +37,23 @@ TB_TAGS = {
 
 class Monitor:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int = 0,
-                 progress_bar: bool | None = None, purge_after: int | None = None):
+                 progress_bar: bool | None = None, purge_after: int | None = None,
+                 trackers: list[str] = ("tensorboard",), config: dict[str, Any] | None = None):
         self.enabled = enabled
         self._stragglers: tuple = ()
         self._bar = None
         self._writer = None
         self._metrics = None
+        self._trackers: list[Any] = []
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
+        if "tensorboard" in trackers:
+            from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
 
-        # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                     purge_step=None if purge_after is None else purge_after + 1)
+            # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                         purge_step=None if purge_after is None else purge_after + 1)
+        self._trackers = open_trackers([t for t in trackers if t != "tensorboard"], run_dir, config or {})
         self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
@@ -63,12 +72,10 @@ class Monitor:
         """Write one metrics record (train or eval) everywhere it belongs."""
         if not self.enabled:
             return
-        step = record["step"]
-        for key, tag in TB_TAGS.items():
-            if record.get(key) is not None:
-                self._writer.add_scalar(tag, record[key], step)
-        for rank, ms in enumerate(record.get("rank_busy_ms", [])):
-            self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
+        if self._writer is not None:
+            self._tensorboard(record)
+        for tracker in self._trackers:
+            tracker.log(record)
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         line = format_record(record)
@@ -83,6 +90,17 @@ class Monitor:
                 self.info(f"straggler: rank {s['rank']} on {s['host']} is {s['slower']:.0%} slower than the "
                           f"median rank (busy {record['rank_busy_ms'][s['rank']]:.1f} ms per step, "
                           f"waiting excluded)")
+
+    def _tensorboard(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, tag in TB_TAGS.items():
+            if record.get(key) is not None:
+                self._writer.add_scalar(tag, record[key], step)
+        for key, value in record.items():  # the user's eval_metrics
+            if key.startswith("eval_") and key not in TB_TAGS and key != "eval_samples" and isinstance(value, float):
+                self._writer.add_scalar(f"eval/{key[len('eval_'):]}", value, step)
+        for rank, ms in enumerate(record.get("rank_busy_ms", [])):
+            self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -102,6 +120,9 @@ class Monitor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 # How each metric reads on the console, in this order.
@@ -110,10 +131,12 @@ CONSOLE_FORMATS = [
     ("lr", "lr {:.3g}"),
     ("grad_norm", "grad_norm {:.3g}"),
     ("samples_per_s", "{:,.0f} samples/s"),
+    ("tokens_per_s", "{:,.0f} tokens/s"),
     ("step_ms", "step {:.1f} ms"),
     ("mfu", "MFU {:.1%}"),
     ("eval_loss", "eval_loss {:.4f}"),
     ("eval_accuracy", "eval_accuracy {:.2%}"),
+    ("eval_perplexity", "eval_perplexity {:.4g}"),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -66,10 +66,12 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float, tf3
     return None if tflops is None else tflops * 1e12
 
 
-def flops_per_sample(module: nn.Module, inputs: Any, batch: int) -> float | None:
-    """Training FLOPs (forward + backward) per sample, counted once with torch's FLOP counter on a
+def flops_per_sample(module: nn.Module, batch: Any, samples: int, loss_of: Callable) -> float | None:
+    """Training FLOPs (forward, loss, backward) per sample, counted once with torch's FLOP counter on a
     copy of the model on the meta device: no real compute, no RNG drawn, the model untouched."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from .data.batch import map_tensors
 
     try:
         # Parameters and buffers become meta tensors in the copy: nothing the size of the model is copied.
@@ -77,22 +79,13 @@ def flops_per_sample(module: nn.Module, inputs: Any, batch: int) -> float | None
                         if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
                 for t in (*module.parameters(), *module.buffers())}
         meta = copy.deepcopy(module, memo)
-        meta_inputs = _to_meta(inputs)
+        meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
         with FlopCounterMode(display=False) as counter:
-            out = meta(*meta_inputs) if isinstance(meta_inputs, tuple) else meta(meta_inputs)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            out.float().sum().backward()
-        return counter.get_total_flops() / max(batch, 1)
+            loss, _, _ = loss_of(meta, meta_batch)
+            loss.backward()
+        return counter.get_total_flops() / max(samples, 1)
     except Exception:  # noqa: BLE001 - an op without a meta kernel: no FLOPs, no MFU, training goes on
         return None
-
-
-def _to_meta(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj, device="meta")
-    if isinstance(obj, (tuple, list)):
-        return tuple(_to_meta(o) for o in obj)
-    return obj
 
 
 def stragglers(busy_ms: list[float], margin: float) -> list[tuple[int, float]]:

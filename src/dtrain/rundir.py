@@ -1,35 +1,97 @@
 """What a run directory holds, and what dtrain may do there.
 
-dtrain writes only the names in OUTPUTS (and its lock and temporary files). Anything else in run.dir is
-someone else's: dtrain never writes over it, and by default refuses to write beside it (TensorBoard would
-show two runs as one, a report would mix them). A fresh start over an earlier run's outputs is refused
-too, unless the user says to replace them (run.overwrite) or this is a later attempt of the same run
-(a torchrun restart, a SLURM requeue), whose earlier attempt's outputs it replaces.
+dtrain writes only the names in OUTPUTS (and its lock and temporary files), each of a kind it can
+recognise again (a metrics file of JSON records, folders of event files or step-N checkpoints, weights
+marked as dtrain's). Anything else in run.dir is someone else's: dtrain never writes over it or deletes
+it, and by default refuses to write beside it (TensorBoard would show two runs as one, a report would
+mix them). A fresh start over an earlier run's outputs is refused too, unless the user says to replace
+them (run.overwrite) or this is a later attempt of the same run (a torchrun restart, a SLURM requeue),
+whose earlier attempt's outputs it replaces. Only what is recognisably dtrain's is ever deleted.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .errors import DtrainError
 
-# Every name dtrain writes at the top of run.dir (`dtrain report` writes report/).
-OUTPUTS = ("config.toml", "metrics.jsonl", "model.safetensors", "tensorboard", "checkpoints", "diagnostics",
-           "profile", "report")
 LOCK = ".lock"
+# The metadata dtrain writes into model.safetensors: how it knows the weights in a run.dir are its own.
+WEIGHTS_MARK = {"format": "pt", "written_by": "dtrain"}
 
 # The first line of every config.toml dtrain writes: how it knows a run.dir's config.toml is its own.
 CONFIG_HEADER = "# The resolved config of this run, written by dtrain. Rerun with: dtrain run <this file>\n"
 
 
-def is_dtrains(name: str) -> bool:
-    """Whether dtrain writes this name in run.dir: an output, the lock, or an atomic write's temporary
-    file (".<output>.<random>.tmp")."""
-    return name in OUTPUTS or name == LOCK or (
-        name.endswith(".tmp") and name.startswith(tuple(f".{output}." for output in OUTPUTS)))
+def _entries(path: Path, pattern: str) -> str | None:
+    """None when `path` is a folder whose entries all match `pattern`; else what is wrong."""
+    if path.is_symlink() or not path.is_dir():
+        return "not a folder"
+    strangers = sorted(p.name for p in path.iterdir() if not re.fullmatch(pattern, p.name))
+    return f"it holds {', '.join(strangers[:3])}" if strangers else None
+
+
+def _metrics_file(path: Path) -> str | None:
+    if path.is_symlink() or not path.is_file():
+        return "not a file"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline()
+        if first and "step" not in json.loads(first):
+            return "not metrics dtrain wrote"
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return "not metrics dtrain wrote"
+    return None
+
+
+def _weights_file(path: Path) -> str | None:
+    if path.is_symlink() or not path.is_file():
+        return "not a file"
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size)) if 0 < size < 1 << 24 else {}
+    except (OSError, ValueError):
+        header = {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return None if isinstance(meta, dict) and meta.get("written_by") == "dtrain" else "weights dtrain did not write"
+
+
+def _config_file(path: Path) -> str | None:
+    if path.is_symlink() or not path.is_file() or not _written_by_dtrain(path):
+        return "not a config dtrain wrote"
+    return None
+
+
+def _lock_file(path: Path) -> str | None:
+    return "not dtrain's lock file" if path.is_symlink() or not path.is_file() else None
+
+
+# Every name dtrain writes at the top of run.dir, and how it recognises its own (None: it is dtrain's).
+# `dtrain report` writes report/; the trackers write mlruns/ (MLflow's local store) and wandb/.
+OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
+    "config.toml": _config_file,
+    "metrics.jsonl": _metrics_file,
+    "model.safetensors": _weights_file,
+    "tensorboard": lambda p: _entries(p, r"events\.out\.tfevents\..+"),
+    "checkpoints": lambda p: _entries(p, r"(\.partial-(replaced-)?)?step-\d+"),
+    "diagnostics": lambda p: _entries(p, r"(flight-recorder-)?rank-\d+.*"),
+    "profile": lambda p: _entries(p, r"rank-\d+\..+"),
+    "report": lambda p: _entries(p, r"[\w-]+\.png|summary\.txt"),
+    "mlruns": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
+    "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
+}
+KEPT = ("config.toml", LOCK)  # rewritten by every run, never "an earlier run's output"
+
+
+def _temporary(name: str) -> bool:
+    """An atomic write's temporary file: ".<output>.<random>.tmp"."""
+    return name.endswith(".tmp") and name.startswith(tuple(f".{output}." for output in OUTPUTS))
 
 
 def later_attempt(environ: Mapping[str, str] = os.environ) -> bool:
@@ -38,23 +100,35 @@ def later_attempt(environ: Mapping[str, str] = os.environ) -> bool:
                for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
-def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, allow_other_files: bool,
-                    again: bool) -> list[Path]:
-    """What must go before this run starts in `run_dir` (an earlier run's outputs), or a refusal.
-
-    `resuming`: the run continues from a checkpoint there, and its outputs are its own. `again`: a later
-    attempt of the same run. Nothing is deleted here: see `remove`."""
+def check_contents(run_dir: Path, allow_other_files: bool) -> None:
+    """Refuse a run.dir holding, at one of dtrain's names, something dtrain did not write (always), or
+    files of other programs (unless `allow_other_files`)."""
     if not run_dir.is_dir():
-        return []
+        return
     names = sorted(p.name for p in run_dir.iterdir())
-    others = [n for n in names if not is_dtrains(n)]
+    for name in names:
+        path = run_dir / name
+        check = OUTPUTS.get(name, _lock_file if name == LOCK else None)
+        problem = check(path) if check else None
+        if problem:
+            what = "a file of yours?" if path.is_file() else "a folder of yours?"
+            raise DtrainError(f"run.dir {run_dir}: {name} is where dtrain writes its {name}, and it is {problem} "
+                              f"({what}); move it, or choose another run.dir")
+    others = [n for n in names if n not in OUTPUTS and n != LOCK and not _temporary(n)]
     if others and not allow_other_files:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise DtrainError(f"run.dir {run_dir} holds files dtrain did not write ({shown}); choose an empty or "
                           f"new run.dir, or set run.allow_other_files=true to write beside them")
-    if resuming:
+
+
+def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bool) -> list[Path]:
+    """An earlier run's outputs that must go before this run starts in `run_dir` (checked by
+    `check_contents` first), or a refusal. `resuming`: the run continues from a checkpoint there, and
+    its outputs are its own. `again`: a later attempt of the same run. Nothing is deleted here: see
+    `remove`, which rank 0 calls once the run has started."""
+    if resuming or not run_dir.is_dir():
         return []
-    earlier = [run_dir / n for n in names if n in OUTPUTS and n != "config.toml" and _holds_something(run_dir / n)]
+    earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in KEPT and _holds_something(p)]
     if earlier and not (overwrite or again):
         raise DtrainError(f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
                           f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
@@ -67,6 +141,7 @@ def _holds_something(path: Path) -> bool:
 
 
 def remove(paths: list[Path]) -> None:
+    """Delete outputs `earlier_outputs` recognised as dtrain's (a symlink: only the link)."""
     for path in paths:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -127,6 +202,10 @@ def check_usable(run_dir: Path) -> None:
     except (OSError, RuntimeError) as exc:  # a symlink loop, a path too long
         raise DtrainError(f"run.dir {run_dir} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
                           f"choose another run.dir") from None
+    resolved = run_dir.absolute().resolve()
+    if resolved == Path("/") or resolved == Path.home().resolve():
+        raise DtrainError(f"run.dir {run_dir} is {'the root folder' if resolved == Path('/') else 'your home folder'}; "
+                          f"give the run a folder of its own, e.g. run.dir=runs/first")
     # os.access, not the mode bits: it also answers for root and for read-only mounts.
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise DtrainError(f"run.dir {run_dir} cannot be written ({existing} is not a writable folder); "

@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
@@ -26,8 +27,12 @@ from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, 
 from .comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
                    shared_memory_hook, timed_allreduce_hook)
 from .config import Config, profile_range
-from .data import EvalBatches, ShardSampler, TrainBatches
+from .data import EvalBatches, ShardSampler, TensorDict, TrainBatches
+from .data.sampler import GlobalOrderSampler
+from .data.batch import num_samples, num_tokens, split
 from .errors import DataError, DtrainError, Preempted
+from .evaluation import EvalMetrics, EvalSums
+from .loss import LossFn, LossOf, StepFn
 from .metrics import StepMetrics
 from .monitor import Monitor
 from .optim import LRShape, build_optimizer, build_scheduler
@@ -36,25 +41,32 @@ from .profiling import StepProfiler
 from .steptime import StepTimer
 from .watchdog import HangWatch
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class Trainer:
     """Trains `model` data-parallel over every process of the job.
 
-    `train_data` / `eval_data` are map-style data sets of (input, target) pairs; a `TensorDataset`
-    takes the fast path (whole batches gathered by index). `loss_fn(output, target)` returns the mean
-    loss of a batch (default: cross-entropy). After `setup()`, `model` is the DDP-wrapped module (the
-    plain one at world size 1), `module` the user's own.
+    `train_data` / `eval_data` are map-style data sets whose samples may be any shape: tensors, tuples,
+    dicts (Hugging Face's included), namedtuples, dataclasses, nested; collated by `collate_fn` (default:
+    `default_collate`, dataclasses too). A `TensorDataset` of any number of tensors, or a dict of equally
+    long tensors, takes the fast path (whole batches gathered by index). The loss: `step_fn(model,
+    batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
+    `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
+    loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
+    eval sample exactly. After `setup()`, `model` is the DDP-wrapped module (the plain one at world size
+    1), `module` the user's own.
     """
 
-    def __init__(self, config: Config | None = None, *, model: nn.Module, train_data: Dataset,
-                 eval_data: Dataset | None = None, loss_fn: LossFn | None = None):
+    def __init__(self, config: Config | None = None, *, model: nn.Module,
+                 train_data: Dataset | Mapping[str, torch.Tensor],
+                 eval_data: Dataset | Mapping[str, torch.Tensor] | None = None, loss_fn: LossFn | None = None,
+                 step_fn: StepFn | None = None, eval_metrics: EvalMetrics | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None):
         self.config = config or Config()
         self.module = model
-        self.train_data = train_data
-        self.eval_data = eval_data
-        self.loss_fn = loss_fn or F.cross_entropy
+        self.train_data = TensorDict(train_data) if isinstance(train_data, Mapping) else train_data
+        self.eval_data = TensorDict(eval_data) if isinstance(eval_data, Mapping) else eval_data
+        self.loss_of = LossOf(step_fn, loss_fn)
+        self.eval_metrics = eval_metrics
+        self.collate_fn = collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
         self.shared_memory: SharedMemoryAllReduce | None = None
@@ -94,11 +106,11 @@ class Trainer:
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         check_shardable(cfg, len(self.train_data), session.world_size)
 
-        sampler = ShardSampler(len(self.train_data), session.rank, session.world_size, seed=cfg.run.seed)
+        sampler = self._sampler()
         self.train_batches = TrainBatches(self.train_data, sampler, cfg.data, cfg.training.grad_accum_steps,
-                                          device)
-        self.eval_batches = (EvalBatches(self.eval_data, session.rank, session.world_size, cfg.data, device)
-                             if self.eval_data is not None else None)
+                                          device, self.collate_fn)
+        self.eval_batches = (EvalBatches(self.eval_data, session.rank, session.world_size, cfg.data, device,
+                                         self.collate_fn) if self.eval_data is not None else None)
         if self.train_batches.steps_per_epoch == 0:
             raise DataError(f"data.drop_last=true with data.batch_size={cfg.data.batch_size} leaves no "
                             f"full batch of the {sampler.num_samples} samples per process; lower "
@@ -150,7 +162,11 @@ class Trainer:
                 epoch_end_pending = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
                 truncate_metrics(self.run_dir / "metrics.jsonl", self.step, drop_eval_at_step=epoch_end_pending)
         self.monitor = Monitor(self.run_dir, session.is_main, self.total_steps, self.step,
-                               purge_after=self.step if continuing else None)
+                               purge_after=self.step if continuing else None, trackers=cfg.monitor.trackers,
+                               config=cfg.to_dict())
+        if self._replaced:
+            whose = "an earlier attempt of this run" if rundir.later_attempt() else "the earlier run (run.overwrite)"
+            self.monitor.info(f"replaced the outputs of {whose}: {', '.join(self._replaced)}")
         if resume_from is not None:
             self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
                               f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
@@ -160,6 +176,19 @@ class Trainer:
         self.timer.progress.step = self.step
         self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
                                session.world_size, self.run_dir)
+
+    def _sampler(self) -> ShardSampler:
+        """DistributedSampler's order; for data that asks for it (token windows) an order that does not
+        depend on the world size, which needs one whole global batch."""
+        n, session, cfg = len(self.train_data), self.session, self.config
+        if not getattr(self.train_data, "global_order", False):
+            return ShardSampler(n, session.rank, session.world_size, seed=cfg.run.seed)
+        sampler = GlobalOrderSampler(n, session.rank, session.world_size, cfg.data.batch_size, seed=cfg.run.seed)
+        if sampler.global_batches == 0:
+            raise DataError(f"the training set has {n} samples, fewer than one global batch "
+                            f"(data.batch_size={cfg.data.batch_size} × {session.world_size} processes); lower "
+                            f"data.batch_size (or data.block_size for token data)")
+        return sampler
 
     def _wrap_ddp(self) -> nn.Module:
         dc, device = self.config.distributed, self.session.device
@@ -211,25 +240,34 @@ class Trainer:
         first.register_post_accumulate_grad_hook(backward_over)
 
     def _count_flops(self) -> float | None:
-        """Training FLOPs per sample, counted once on a meta-device copy of one micro-batch."""
+        """Training FLOPs per sample: from the model's own count per token where it has one (the built-in
+        GPT: 6N + attention, as nanoGPT and PaLM count), else counted once on a meta-device copy of one
+        micro-batch."""
         micro = next(iter(self.train_batches.epoch(0)))[0]
-        inputs, target = micro
-        return perf.flops_per_sample(self.module, inputs, len(target))
+        samples, target = num_samples(micro), split(micro)[1]
+        per_token, tokens = getattr(self.module, "flops_per_token", None), num_tokens(target)
+        if callable(per_token) and tokens:
+            return per_token(target.shape[-1]) * tokens / samples
+        return perf.flops_per_sample(self.module, micro, samples, self.loss_of)
 
     def _take_run_dir(self) -> None:
-        """Rank 0 locks run.dir for the life of the run (two live runs must never share it), clears an
-        earlier run's outputs or refuses them (see rundir), and checks the final weights will fit."""
-        error = None
+        """Rank 0 checks run.dir (usable; no other program's files; an earlier run only when told to
+        replace it), locks it for the life of the run (two live runs must never share it), checks the
+        final weights will fit, and only then deletes an earlier run's outputs (see rundir)."""
+        error, self._replaced = None, []
         if self.session.is_main:
             try:
+                run, again = self.config.run, rundir.later_attempt()
+                rundir.check_usable(self.run_dir)
                 rundir.check_config_file_is_ours(self.run_dir)
+                rundir.check_contents(self.run_dir, run.allow_other_files)
+                fresh = run.overwrite and not again  # a restart of this run resumes instead
+                resuming = not fresh and CheckpointStore(self.run_dir).newest() is not None
+                earlier = rundir.earlier_outputs(self.run_dir, resuming=resuming, overwrite=fresh, again=again)
                 self._lock.acquire()
-                run = self.config.run
-                fresh = run.overwrite and not rundir.later_attempt()
-                rundir.remove(rundir.earlier_outputs(
-                    self.run_dir, resuming=not fresh and CheckpointStore(self.run_dir).newest() is not None,
-                    overwrite=fresh, allow_other_files=run.allow_other_files, again=rundir.later_attempt()))
                 rundir.check_room(self.run_dir, _weights_bytes(self.module), "the final model.safetensors")
+                rundir.remove(earlier)
+                self._replaced = [p.name for p in earlier]
             except DtrainError as exc:
                 error = str(exc)
         error = distributed.first_error(error)
@@ -349,7 +387,7 @@ class Trainer:
                 # run.dir's disk is full: the last resort is the system's temporary folder (often another disk).
                 rescued = distributed.from_rank0(_rescue_weights(self.module) if self.session.is_main else None)
                 kept = (f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
-                        if rescued else f"and no copy could be written to {tempfile.gettempdir()} either")
+                        if rescued else "and no copy of the weights could be written anywhere else either")
                 raise DtrainError(f"could not write {path} ({error}), nor a checkpoint of the trained state "
                                   f"({exc}); {kept}") from None
         raise DtrainError(f"could not write {path} ({error}); the trained state is safe in "
@@ -382,21 +420,22 @@ class Trainer:
                            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
                            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
 
-    def _train_step(self, micro_batches: list[tuple[Any, torch.Tensor]]) -> None:
+    def _train_step(self, micro_batches: list[Any]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
         model, optimizer, scaler = self.model, self.optimizer, self.precision.scaler
-        n_step = sum(len(target) for _, target in micro_batches)
+        sizes = [num_samples(batch) for batch in micro_batches]  # shapes: no host sync
+        n_step = sum(sizes)
         last = len(micro_batches) - 1
-        for i, (inputs, target) in enumerate(micro_batches):
+        for i, (batch, n) in enumerate(zip(micro_batches, sizes)):
             if model is not self.module:
                 # Gradients are all-reduced only on the last micro-batch (DDP's no_sync, as a flag);
                 # the others just add into the local .grad.
                 model.require_backward_grad_sync = i == last
             with self.precision.autocast():
-                loss = self.loss_fn(_forward(model, inputs), target)
-            if len(target) != n_step:
+                loss, _, target = self.loss_of(model, batch)
+            if n != n_step:
                 # Weight by samples, so the update equals one batch of all n_step samples.
-                loss = loss * (len(target) / n_step)
+                loss = loss * (n / n_step)
             scaler.scale(loss).backward()
             self.metrics.loss_sum += loss.detach()
         self.timer.backward_done()
@@ -420,7 +459,7 @@ class Trainer:
         # step, when the host learns of it without waiting on the device (see _log_train).
         self.scheduler.step()
         self.timer.step_done()
-        self.metrics.step_done(n_step)
+        self.metrics.step_done(n_step, tokens=_tokens(micro_batches))
 
     def _check_every_parameter_got_a_gradient(self) -> None:
         """After the first backward: a parameter the forward pass never used leaves DDP waiting for its
@@ -439,32 +478,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy over the whole eval set, reduced across ranks exactly (no padding)."""
+        """eval_loss (and eval_accuracy, eval_perplexity, the user's eval_metrics where they apply) over
+        the whole eval set, reduced across ranks exactly (no padding): see evaluation.py."""
         if self.eval_batches is None:
             return {}
         self.setup()
         module = self.module  # no DDP in eval: nothing to all-reduce inside the forward pass
         was_training = module.training
         module.eval()
-        # loss·samples, correct, samples — summed in float64 so the reduction is exact.
-        sums = torch.zeros(3, dtype=torch.float64, device=self.session.device)
-        classify = True
-        for inputs, target in self.eval_batches:
+        sums = EvalSums(self.session.device, self.eval_metrics)
+        for batch in self.eval_batches:
             self.timer.progress.at("evaluation")
             with self.precision.autocast():
-                output = _forward(module, inputs)
-                loss = self.loss_fn(output, target)
-            sums[0] += loss.double() * len(target)
-            classify = classify and output.dim() == 2 and target.dim() == 1 and not target.is_floating_point()
-            if classify:
-                sums[1] += (output.argmax(dim=1) == target).sum()
-            sums[2] += len(target)
+                loss, output, target = self.loss_of(module, batch)
+            sums.add(loss, output, target, batch, num_samples(batch))
         module.train(was_training)
-        loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
-        result = {"eval_loss": loss_sum / count, "eval_samples": int(count)}
-        if classify:
-            result["eval_accuracy"] = correct / count
-        return result
+        return sums.result()
 
     def _should_evaluate(self, epoch_done: bool) -> bool:
         if self.eval_batches is None:
@@ -527,13 +556,18 @@ class Trainer:
 
 
 def _rescue_weights(module: nn.Module) -> str | None:
-    """model.safetensors in a new folder of the system's temporary folder; where, or None."""
-    try:
-        folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-"))
-        save_final_weights(module, folder / "model.safetensors")
-        return str(folder / "model.safetensors")
-    except Exception:  # noqa: BLE001 - anything: the caller reports that no copy was written
-        return None
+    """model.safetensors in a new folder of the first place with room: the system's temporary folder,
+    /dev/shm (memory), the home folder, the current folder. Where it went, or None."""
+    for place in dict.fromkeys([tempfile.gettempdir(), "/dev/shm", str(Path.home()), os.getcwd()]):
+        folder = None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-", dir=place))
+            save_final_weights(module, folder / "model.safetensors")
+            return str(folder / "model.safetensors")
+        except Exception:  # noqa: BLE001 - anything: try the next place
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def _weights_bytes(module: nn.Module) -> int:
@@ -552,12 +586,10 @@ _MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match 
                    "appears not to match strides of the same param")
 
 
-def _forward(model: nn.Module, inputs: Any) -> torch.Tensor:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+def _tokens(micro_batches: list[Any]) -> int | None:
+    """Tokens in a step's batches of token sequences (from shapes), or None for other data."""
+    counts = [num_tokens(split(batch)[1]) for batch in micro_batches]
+    return None if None in counts else sum(counts)
 
 
 def check_shardable(config: Config, n_train: int, world_size: int) -> None:

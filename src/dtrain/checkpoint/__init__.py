@@ -111,10 +111,11 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
     if mode == "no" and newest is not None:
         raise CheckpointError(
             f"run.dir {store.root.parent} already holds checkpoints (newest {newest.name}); continue "
-            f"that run with --resume (or checkpoint.resume=auto), or choose another run.dir")
+            f"that run with --resume (or checkpoint.resume=auto), replace it with run.overwrite=true, or choose "
+            f"another run.dir")
     if mode == "yes" and newest is None:
-        raise CheckpointError(f"--resume: {store.root} holds no complete checkpoint to continue from; "
-                              f"run without --resume to start afresh")
+        raise CheckpointError(f"--resume: {store.root} holds no complete checkpoint to continue from (the run "
+                              f"stopped before its first); start afresh with run.overwrite=true instead of --resume")
     return newest if mode != "no" else None
 
 
@@ -141,7 +142,9 @@ def _space_hint(store: CheckpointStore) -> str:
         return ""
     free = stats.f_bavail * stats.f_frsize
     newest = store.newest()
-    needed = sum(f["bytes"] for f in newest.meta()["files"].values()) if newest else 1 << 20
+    if newest is None:  # no checkpoint to size one by: only a nearly full disk is named
+        return f"No space left on device ({free:,} bytes free)" if free < 1 << 20 else ""
+    needed = sum(f["bytes"] for f in newest.meta()["files"].values())
     if free < needed:
         return f"No space left on device ({free:,} bytes free, a checkpoint takes about {needed:,})"
     return ""

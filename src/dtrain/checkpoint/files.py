@@ -16,6 +16,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 from ..errors import DtrainError
+from ..rundir import WEIGHTS_MARK
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -25,7 +26,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def save_final_weights(model: nn.Module, path: Path) -> None:
     """The trained weights as safetensors (loadable without pickle), written atomically."""
-    _atomic(path, lambda tmp: save_model(model, tmp, metadata={"format": "pt"}))
+    _atomic(path, lambda tmp: save_model(model, tmp, metadata=dict(WEIGHTS_MARK)))
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -113,12 +114,17 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / ".lock"
         self._fd: int | None = None
-        self._created_dir = False
+        self._created_dir = self._created_file = False
 
     def acquire(self) -> None:
         self._created_dir = not self.path.parent.exists()
+        self._created_file = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symlink: the lock's content would land in whatever file it points to
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise DtrainError(f"{self.path} cannot be used as the run's lock ({exc.strerror}: a symlink or not "
+                              f"a file?); move it, or choose another run.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -153,9 +159,10 @@ class RunDirLock:
             return
         os.close(self._fd)  # closing drops the flock
         self._fd = None
-        if remove_if_created and self._created_dir and [p.name for p in self.path.parent.iterdir()] == [".lock"]:
-            self.path.unlink()
-            self.path.parent.rmdir()
+        if remove_if_created and self._created_file:
+            self.path.unlink(missing_ok=True)
+            if self._created_dir and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
 
 
 def _read_holder(fd: int) -> str:

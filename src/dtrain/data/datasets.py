@@ -1,4 +1,4 @@
-"""The data a job trains on: built-in sets (digits, mnist, synthetic) and user factories."""
+"""The data a job trains on: built-in sets (digits, mnist, synthetic, tokens) and user factories."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.utils.data import Dataset, TensorDataset
 from .. import factory
 from ..config import Config, DataConfig
 from ..errors import DataError
-from . import mnist
+from . import mnist, tokens
 
 # The held-out split of digits and synthetic data is fixed, whatever run.seed says, so that eval
 # figures of different runs are comparable.
@@ -35,6 +35,8 @@ def build(config: Config) -> DataSplits:
         return _mnist(data)
     if data.name == "synthetic":
         return _synthetic(data, config.run.seed)
+    if data.name == "tokens":
+        return _tokens(data)
     return _from_factory(config)
 
 
@@ -49,14 +51,21 @@ def size_hint(config: Config) -> int | None:
         files = mnist.find_files(data.path)
         if files is not None and files["train_labels"].suffix != ".gz":
             return max(0, files["train_labels"].stat().st_size - 8)  # one byte per label
+    if data.name == "tokens":
+        return tokens.windows_in(tokens.read_meta(data.path), "train", data.block_size, data.path)
     return None
 
 
-def check(config: Config) -> None:
+def check(config: Config, world_size: int = 1) -> None:
     """The launcher reads files a job names before any worker starts: content, not only form (MNIST:
-    every image 28×28, every label a digit, as many labels as images)."""
-    if config.data.name == "mnist":
-        mnist.load(config.data.path)
+    every image 28×28, every label a digit, as many labels as images; tokens: meta.json and the shards
+    it lists, enough windows for one global batch)."""
+    data = config.data
+    if data.name == "mnist":
+        mnist.load(data.path)
+    if data.name == "tokens":
+        tokens.check_block_size(tokens.read_meta(data.path), data.block_size, data.path, world_size,
+                                data.batch_size)
 
 
 def prepare(config: Config) -> None:
@@ -96,6 +105,14 @@ def _mnist(data: DataConfig) -> DataSplits:
     (train_x, train_y), (test_x, test_y) = mnist.load(data.path)
     return DataSplits(TensorDataset(train_x, train_y), TensorDataset(test_x, test_y),
                       input_shape=(1, 28, 28), num_classes=10)
+
+
+def _tokens(data: DataConfig) -> DataSplits:
+    meta = tokens.read_meta(data.path)
+    train = tokens.TokenWindows(data.path, "train", data.block_size, meta)
+    val = tokens.TokenWindows(data.path, "val", data.block_size, meta) if "val" in meta["splits"] else None
+    return DataSplits(train, val if val is not None and len(val) else None, input_shape=(data.block_size,),
+                      num_classes=meta["vocab_size"])
 
 
 def _synthetic(data: DataConfig, seed: int) -> DataSplits:

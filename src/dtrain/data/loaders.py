@@ -1,41 +1,34 @@
 """Batches for the training step and for evaluation, grouped for gradient accumulation.
 
-Two paths, one interface. Data held as tensors (`TensorDataset`, and every built-in set) is gathered
-a whole batch at a time with `index_select` — on the GPU when there is one — with no per-sample Python
-and no collate. Any other map-style data set goes through a `DataLoader` with workers, pinned memory
-and prefetch. Both yield, for each optimizer step, the list of micro-batches that step consumes.
+Two paths, one interface. Data held as tensors (a `TensorDataset` of any number of tensors, a
+`TensorDict`, every built-in set) is gathered a whole batch at a time with `index_select` — on the GPU
+when there is one — with no per-sample Python and no collate. Any other map-style data set goes through
+a `DataLoader` with workers, pinned memory, prefetch and the user's `collate_fn` (default: `collate`).
+A batch may be any shape (see batch.py). Both yield, for each optimizer step, the list of micro-batches
+that step consumes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..config import DataConfig
+from .batch import TensorDict, collate, map_tensors, to_device
 from .sampler import IndexSampler, ShardSampler, eval_shard
 
-Batch = tuple[Any, torch.Tensor]  # (inputs, targets) on the training device
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move a tensor, or tensors nested in tuples/lists/dicts, to `device` without blocking."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
+Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
+Collate = Callable[[list[Any]], Any]
 
 
 class TrainBatches:
     """One rank's training batches: `epoch(e)` yields a list of micro-batches per optimizer step."""
 
     def __init__(self, dataset: Dataset, sampler: ShardSampler, data: DataConfig, grad_accum_steps: int,
-                 device: torch.device):
+                 device: torch.device, collate_fn: Collate | None = None):
         self.sampler = sampler
         self.batch_size = data.batch_size
         self.accum = grad_accum_steps
@@ -45,7 +38,7 @@ class TrainBatches:
         self.micro_batches_per_epoch = (per_rank // self.batch_size if self.drop_last
                                         else math.ceil(per_rank / self.batch_size))
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / self.accum)
-        self._source = _source_for(dataset, data, device)
+        self._source = _source_for(dataset, data, device, collate_fn)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
         """Micro-batch groups of `epoch`, starting at optimizer step `start_step` of that epoch."""
@@ -69,62 +62,89 @@ class EvalBatches:
     """One rank's evaluation batches: each held-out sample on exactly one rank, none padded in."""
 
     def __init__(self, dataset: Dataset, rank: int, world_size: int, data: DataConfig,
-                 device: torch.device):
+                 device: torch.device, collate_fn: Collate | None = None):
         self.indices = eval_shard(len(dataset), rank, world_size)
         self.batch_size = data.eval_batch_size
-        if _is_pair_of_tensors(dataset):
+        if _tensor_backed(dataset):
             # This rank only ever reads its own shard: only that is copied to the device.
-            shard = TensorDataset(*(t[self.indices] for t in dataset.tensors))
+            self._source = _TensorSource(_rows(dataset, self.indices), data.on_device, device)
             self.indices = torch.arange(len(self.indices))
-            self._source = _TensorSource(shard, data.on_device, device)
         else:
-            self._source = _LoaderSource(dataset, data, device)
+            self._source = _source_for(dataset, data, device, collate_fn)
 
     def __iter__(self) -> Iterator[Batch]:
         return self._source.batches(self.indices, self.batch_size)
 
 
-def _is_pair_of_tensors(dataset: Dataset) -> bool:
-    return isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2
-
-
-def _source_for(dataset: Dataset, data: DataConfig, device: torch.device):
-    if _is_pair_of_tensors(dataset):
+def _source_for(dataset: Dataset, data: DataConfig, device: torch.device, collate_fn: Collate | None):
+    if _tensor_backed(dataset):
         return _TensorSource(dataset, data.on_device, device)
-    return _LoaderSource(dataset, data, device)
+    if callable(getattr(dataset, "take", None)):
+        return _TakeSource(dataset, device, pin=data.pin_memory and device.type == "cuda")
+    return _LoaderSource(dataset, data, device, collate_fn)
+
+
+def _tensor_backed(dataset: Dataset) -> bool:
+    return isinstance(dataset, (TensorDataset, TensorDict))
+
+
+def _rows(dataset: TensorDataset | TensorDict, indices: torch.Tensor) -> TensorDataset | TensorDict:
+    if isinstance(dataset, TensorDict):
+        return TensorDict({k: t[indices] for k, t in dataset.tensors.items()})
+    return TensorDataset(*(t[indices] for t in dataset.tensors))
 
 
 class _TensorSource:
-    """Gathers batches from tensors by index, in one call per tensor.
+    """Gathers batches from tensors by index, in one call per tensor: a tuple of them from a
+    TensorDataset, a dict from a TensorDict.
 
     With `on_device` the tensors are held on the training device. For training that is the whole set:
     DistributedSampler reshuffles every epoch, so each rank draws from all of it over a run.
     """
 
-    def __init__(self, dataset: TensorDataset, on_device: bool, device: torch.device):
+    def __init__(self, dataset: TensorDataset | TensorDict, on_device: bool, device: torch.device):
         self.device = device
         self.store_device = device if on_device else torch.device("cpu")
-        self.inputs, self.targets = (t.to(self.store_device) for t in dataset.tensors)
+        named = dataset.tensors if isinstance(dataset, TensorDict) else dict(enumerate(dataset.tensors))
+        self.tensors = {k: t.to(self.store_device) for k, t in named.items()}
+        self.as_dict = isinstance(dataset, TensorDict)
 
     def batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         if len(indices) == 0:  # split() would hand out one empty batch
             return
         indices = indices.to(self.store_device)
         for chunk in indices.split(batch_size):
-            x = self.inputs.index_select(0, chunk)
-            y = self.targets.index_select(0, chunk)
+            batch = {k: t.index_select(0, chunk) for k, t in self.tensors.items()}
             if self.store_device != self.device:
-                x, y = to_device(x, self.device), to_device(y, self.device)
-            yield x, y
+                batch = to_device(batch, self.device)
+            yield batch if self.as_dict else tuple(batch.values())
+
+
+class _TakeSource:
+    """A data set that gathers a whole batch itself, `dataset.take(indices)` (token windows read from a
+    memory map): no per-sample Python, no collate, nothing held in memory beyond the batch."""
+
+    def __init__(self, dataset: Any, device: torch.device, pin: bool):
+        self.dataset = dataset
+        self.device = device
+        self.pin = pin
+
+    def batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+        for chunk in indices.split(batch_size) if len(indices) else ():
+            batch = self.dataset.take(chunk)
+            if self.pin:
+                batch = map_tensors(batch, torch.Tensor.pin_memory)
+            yield to_device(batch, self.device)
 
 
 class _LoaderSource:
     """A DataLoader over a precomputed index list, with the loading knobs from the config."""
 
-    def __init__(self, dataset: Dataset, data: DataConfig, device: torch.device):
+    def __init__(self, dataset: Dataset, data: DataConfig, device: torch.device, collate_fn: Collate | None):
         self.dataset = dataset
         self.device = device
         self.options: dict[str, Any] = {
+            "collate_fn": collate_fn or collate,
             "num_workers": data.num_workers,
             "pin_memory": data.pin_memory and device.type == "cuda",
         }
@@ -138,10 +158,12 @@ class _LoaderSource:
         # its sampler is pointed at this call's indices.
         if batch_size not in self._loaders:
             sampler = IndexSampler(indices)
-            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=sampler, **self.options)
+            # Its own generator: creating an iterator draws a seed from it, and drawn from the global RNG
+            # that would shift dropout's numbers by one after every resume (and every eval).
+            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=sampler,
+                                generator=torch.Generator().manual_seed(0), **self.options)
             self._loaders[batch_size] = (loader, sampler)
         loader, sampler = self._loaders[batch_size]
         sampler.indices = indices
         for batch in loader:
-            x, y = batch[0], batch[1]
-            yield to_device(x, self.device), to_device(y, self.device)
+            yield to_device(batch, self.device)

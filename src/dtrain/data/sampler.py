@@ -1,8 +1,10 @@
-"""Which samples each rank sees, in which order — exactly as DistributedSampler decides.
+"""Which samples each rank sees, in which order.
 
 `ShardSampler` reproduces `DistributedSampler(shuffle=True, seed=seed)` index for index (padding
 included), but hands out the shard as one tensor so in-memory data can be gathered a whole batch at a
-time, and it steps to a new order every epoch by itself.
+time, and it steps to a new order every epoch by itself. `GlobalOrderSampler` (token data) makes the
+order independent of the world size: global batch k holds the same samples however many processes
+train, as MosaicML Streaming promises — so a run can later resume on another number of processes.
 """
 
 from __future__ import annotations
@@ -54,6 +56,29 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class GlobalOrderSampler(ShardSampler):
+    """A rank's share of `n` samples for one epoch, in an order that does not depend on the world size.
+
+    The epoch's permutation of all n samples is cut into global batches of batch_size × world_size;
+    global batch k is the same set of samples however many processes train (at the same global batch
+    size), and rank r takes its contiguous slice of each. Samples left over after the last whole global
+    batch wait for another epoch's permutation: no padding, every rank the same number of batches."""
+
+    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, seed: int = 0):
+        super().__init__(n, rank, world_size, seed=seed)
+        self.batch_size = batch_size
+        self.global_batches = n // (batch_size * world_size)
+        self.num_samples = self.global_batches * batch_size
+        self.total_size = self.num_samples * world_size
+
+    def shard(self, epoch: int | None = None) -> torch.Tensor:
+        epoch = self.epoch if epoch is None else epoch
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        order = torch.randperm(self.n, generator=generator)[: self.total_size]
+        return order.view(self.global_batches, self.world_size, self.batch_size)[:, self.rank].reshape(-1)
 
 
 def eval_shard(n: int, rank: int, world_size: int) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Token data bigger than RAM: memory-mapped shards served as windows, in a global order.
+
+The format (what `dtrain prepare` writes, and what any tool can write):
+
+    DIR/meta.json        {"format": "dtrain-tokens", "version": 1, "dtype": "uint16" | "uint32",
+                          "vocab_size": V, "tokenizer": "tokenizer.json" | "bytes", "eot_token": id,
+                          "splits": {"train": {"files": ["train-00000.bin", ...], "tokens": N}, "val": {...}}}
+    DIR/*.bin            the split's tokens, native little-endian integers of `dtype`, documents
+                          separated by `eot_token`
+    DIR/tokenizer.json   a Hugging Face `tokenizers` file (absent for "bytes": token = byte value)
+
+Sample i of a split is a window of block_size + 1 consecutive tokens of one file (windows do not
+overlap; a file's last, shorter piece is not used): input = the first block_size, target = the last
+block_size. Only the windows a batch needs are read from the memory map: a process's memory does not
+grow with the data set.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import DataError
+
+FORMAT = "dtrain-tokens"
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    """meta.json of a token folder, checked for everything a run relies on; one line when it is not."""
+    folder = Path(folder)
+    path = folder / "meta.json"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: data.path must be a folder made by `dtrain prepare text ... "
+                        f"--out {folder}` (or holding the same format)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path} is not readable JSON ({exc}); prepare the data again") from None
+
+    def bad(what: str) -> DataError:
+        return DataError(f"{path}: {what}; prepare the data again with `dtrain prepare text`")
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad(f"'format' must be \"{FORMAT}\"")
+    if meta.get("dtype") not in DTYPES:
+        raise bad(f"'dtype' must be one of {', '.join(DTYPES)}; got {meta.get('dtype')!r}")
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 < vocab <= np.iinfo(DTYPES[meta["dtype"]]).max + 1:
+        raise bad(f"'vocab_size' must be an integer from 2 to what {meta['dtype']} holds; got {vocab!r}")
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or "train" not in splits:
+        raise bad("'splits' must hold at least 'train'")
+    itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
+    for name, split in splits.items():
+        files, tokens = (split.get("files"), split.get("tokens")) if isinstance(split, dict) else (None, None)
+        if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f for f in files) \
+                or not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise bad(f"split '{name}' needs 'files' (names in the folder) and 'tokens' (a count)")
+        on_disk = 0
+        for name_ in files:
+            file = folder / name_
+            if not file.is_file():
+                raise DataError(f"{file} is missing (listed in {path}); prepare the data again")
+            size = file.stat().st_size
+            if size % itemsize:
+                raise DataError(f"{file} is {size} bytes, not a whole number of {meta['dtype']} tokens; "
+                                f"prepare the data again")
+            on_disk += size // itemsize
+        if on_disk != tokens:
+            raise bad(f"split '{name}' lists {tokens} tokens and its files hold {on_disk}")
+    tokenizer = meta.get("tokenizer", "bytes")
+    if tokenizer != "bytes" and not (isinstance(tokenizer, str) and (folder / tokenizer).is_file()):
+        raise bad(f"'tokenizer' must be \"bytes\" or a file in the folder; {tokenizer!r} is neither")
+    return meta
+
+
+class TokenWindows(Dataset):
+    """One split's windows of block_size + 1 tokens over memory-mapped shards; sample i is
+    (input, target), each block_size int64 tokens."""
+
+    global_order = True  # the sampler serves it in an order that does not depend on the world size
+
+    def __init__(self, folder: str | Path, split: str, block_size: int, meta: dict[str, Any] | None = None):
+        self.folder = Path(folder)
+        self.meta = meta or read_meta(folder)
+        self.block_size = block_size
+        self.vocab_size = self.meta["vocab_size"]
+        dtype = DTYPES[self.meta["dtype"]]
+        files = self.meta["splits"][split]["files"]
+        self._maps = [np.memmap(self.folder / f, dtype=dtype, mode="r") for f in files
+                      if (self.folder / f).stat().st_size > 0]
+        counts = [max(0, (len(m) - 1) // block_size) for m in self._maps]
+        self._starts = np.cumsum([0, *counts])  # window index where each file begins
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.take(torch.tensor([index]))
+        return x[0], y[0]
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows at `indices` as (inputs, targets), each (len(indices), block_size) int64: one
+        vectorised read per shard, nothing else of the file touched."""
+        idx = indices.cpu().numpy().astype(np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"window index out of range 0..{len(self) - 1}")
+        windows = np.empty((len(idx), self.block_size + 1), dtype=np.int64)
+        shard = np.searchsorted(self._starts, idx, side="right") - 1
+        offsets = np.arange(self.block_size + 1)
+        for s in np.unique(shard):
+            rows = np.nonzero(shard == s)[0]
+            first = (idx[rows] - self._starts[s]) * self.block_size
+            windows[rows] = self._maps[s][first[:, None] + offsets]
+        tokens = torch.from_numpy(windows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def windows_in(meta: dict[str, Any], split: str, block_size: int, folder: str | Path) -> int:
+    """How many windows a split holds, from file sizes alone."""
+    itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
+    sizes = [(Path(folder) / f).stat().st_size // itemsize for f in meta["splits"][split]["files"]]
+    return sum(max(0, (n - 1) // block_size) for n in sizes)
+
+
+def check_block_size(meta: dict[str, Any], block_size: int, folder: str | Path, world_size: int,
+                     batch_size: int) -> None:
+    """Enough windows of data.block_size + 1 tokens for one global batch."""
+    n = windows_in(meta, "train", block_size, folder)
+    need = batch_size * world_size
+    if n < need:
+        raise DataError(f"data.path = '{folder}' holds {n} training windows of data.block_size + 1 = {block_size + 1} "
+                        f"tokens, fewer than one global batch ({need} = data.batch_size × {world_size} "
+                        f"processes); lower data.block_size or data.batch_size, or prepare more text")

@@ -1,0 +1,258 @@
+"""Token data: `dtrain prepare`, memory-mapped windows in a world-size-independent order, the built-in
+GPT (parity with a hand-written nanoGPT-style loop), exact resume, `dtrain generate`, bad input."""
+
+import json
+import re
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.data.sampler import GlobalOrderSampler
+from dtrain.data.tokens import TokenWindows, read_meta
+from dtrain.errors import DtrainError
+from dtrain.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
+from helpers import WORKERS, dtrain, ok, torchrun, train_lines, weights
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+GPT = ["examples/gpt_stdlib.toml", "data.block_size=32", "data.batch_size=4", "training.epochs=1",
+       "training.max_steps=12", "training.log_every=1", "model.options={n_layer = 2, n_head = 2, n_embd = 32}",
+       "scheduler.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Real text nobody here wrote: two packages of the running Python's standard library."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for package in ("json", "email"):
+        shutil.copytree(STDLIB / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens") / "bpe"
+    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--vocab-size", "1000", "--workers", "2"))
+    return out
+
+
+def split_documents(folder: Path, split: str) -> list[str]:
+    meta = read_meta(folder)
+    tokenizer = load_tokenizer(folder, meta)
+    ids = np.concatenate([np.fromfile(folder / f, dtype=meta["dtype"]) for f in meta["splits"][split]["files"]])
+    cuts = np.nonzero(ids == meta["eot_token"])[0]
+    assert len(cuts) and cuts[-1] == len(ids) - 1  # every document ends with end-of-text
+    return [tokenizer.decode(part.tolist()) for part in np.split(ids[:-1], cuts[:-1] + 1)] if len(ids) else []
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_prepare_round_trips_the_text_and_is_stable(corpus, tmp_path, tokenizer):
+    texts = [p.read_text(encoding="utf-8") for p in corpus.rglob("*") if p.is_file()]
+    texts = [t for t in texts if t.strip()]  # an empty __init__.py is no document
+    outs = [tmp_path / f"out{i}" for i in range(2)]
+    for out in outs:
+        prepare_text([str(corpus)], str(out), tokenizer=tokenizer, vocab_size=800, workers=2)
+    docs = split_documents(outs[0], "train") + split_documents(outs[0], "val")
+    assert len(texts) > 20 and sorted(docs) == sorted(texts)  # decoding the shards gives every file back, once
+    assert split_documents(outs[0], "val")  # some held out
+    first, second = ([(p.name, p.read_bytes()) for p in sorted(out.iterdir())] for out in outs)
+    assert first == second  # the same input, the same bytes (tokenizer included)
+
+
+def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("  \n")
+    (empty / "binary.bin").write_bytes(b"\xff\xfe\x00")
+    cases = [
+        ([str(empty), "--out", str(tmp_path / "a")],
+         f"no text in {empty} (2 files, none of them non-empty UTF-8 text); give files or folders of text"),
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "a")], f"{tmp_path / 'missing'}: no such file or folder"),
+        ([str(corpus), "--out", str(tmp_path / "a"), "--vocab-size", "100"],
+         "--vocab-size must be from 257 (the 256 bytes and end-of-text) to 2^31; got 100"),
+        ([str(corpus), "--out", str(corpus)],
+         f"--out {corpus} already exists and is not an empty folder; choose a new one (or delete it to prepare again)"),
+    ]
+    for args, message in cases:
+        result = dtrain("prepare", "text", *args)
+        assert result.returncode == 2 and result.stderr.strip() == f"dtrain: error: {message}", result.stderr
+    # A vocabulary that does not fit the chosen type.
+    from tokenizers import Tokenizer, models
+
+    big = tmp_path / "big.json"
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0")).save(str(big))
+    result = dtrain("prepare", "text", str(corpus), "--out", str(tmp_path / "a"), "--tokenizer", str(big),
+                    "--dtype", "uint16")
+    assert result.stderr.strip() == ("dtrain: error: a vocabulary of 70001 tokens does not fit in uint16 (at most "
+                                     "65536); use --dtype uint32 or a smaller --vocab-size"), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "empty"]  # no output, no staging folder
+
+
+def test_the_standard_library_corpus_is_python_source_without_tests():
+    files = stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" and f.is_relative_to(STDLIB) for f in files)
+    assert STDLIB / "json" / "decoder.py" in files
+    assert not any({"test", "site-packages"} & set(f.relative_to(STDLIB).parts) for f in files)
+
+
+def test_the_order_is_the_same_global_batch_for_1_2_and_4_processes():
+    n, global_batch = 1003, 16
+    for epoch in range(2):
+        batches = {}
+        for world in (1, 2, 4):
+            per_rank = global_batch // world
+            shards = [GlobalOrderSampler(n, r, world, per_rank, seed=7).shard(epoch) for r in range(world)]
+            assert len({len(s) for s in shards}) == 1 and len(shards[0]) == (n // global_batch) * per_rank
+            # global batch k: each rank's k-th micro-batch, in rank order
+            batches[world] = [torch.cat([s[k * per_rank:(k + 1) * per_rank] for s in shards]).tolist()
+                              for k in range(n // global_batch)]
+        assert batches[1] == batches[2] == batches[4]
+        flat = [i for batch in batches[1] for i in batch]
+        assert len(set(flat)) == len(flat)  # no window twice in an epoch
+    assert GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(0).tolist() != GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(1).tolist()
+
+
+def test_windows_across_shards_match_the_files(tmp_path):
+    parts = [np.arange(0, 100, dtype=np.uint16), np.arange(1000, 1050, dtype=np.uint16)]
+    for i, part in enumerate(parts):
+        part.tofile(tmp_path / f"train-{i:05d}.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "format": "dtrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": 2000, "tokenizer": "bytes",
+        "eot_token": 1999, "splits": {"train": {"files": ["train-00000.bin", "train-00001.bin"], "tokens": 150}}}))
+    windows = TokenWindows(tmp_path, "train", block_size=10)
+    assert len(windows) == 9 + 4  # (100-1)//10 and (50-1)//10: no window crosses a file
+    x, y = windows.take(torch.tensor([0, 8, 9, 12]))
+    assert x[0].tolist() == list(range(0, 10)) and y[0].tolist() == list(range(1, 11))
+    assert x[1].tolist() == list(range(80, 90)) and y[1].tolist() == list(range(81, 91))
+    assert x[2].tolist() == list(range(1000, 1010)) and x[3].tolist() == list(range(1030, 1040))
+    assert x.dtype == torch.int64 and windows[12][1].tolist() == list(range(1031, 1041))
+
+
+def test_memory_stays_flat_on_a_token_file_much_larger_than_a_batch(tmp_path):
+    """64 MB of tokens, 3 000 batches drawn from all over it: the process's own (anonymous) memory does
+    not grow with what it has read; only the page cache does."""
+    np.random.default_rng(0).integers(0, 50000, 32_000_000, dtype=np.uint16).tofile(tmp_path / "train-00000.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "format": "dtrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": 50000, "tokenizer": "bytes",
+        "eot_token": 0, "splits": {"train": {"files": ["train-00000.bin"], "tokens": 32_000_000}}}))
+    windows = TokenWindows(tmp_path, "train", block_size=256)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+
+    def anonymous_kib() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1))
+
+    windows.take(order[:8])
+    before = anonymous_kib()
+    for k in range(3000):
+        windows.take(order[k * 8:(k + 1) * 8])
+    assert anonymous_kib() - before < 16 * 1024, "memory grew with the data read"
+
+
+def test_meta_json_problems_are_one_line(prepared, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(prepared, folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    cases = [
+        (lambda: (folder / "meta.json").write_text("{not json"), "is not readable JSON"),
+        (lambda: (folder / "meta.json").write_text(json.dumps({**meta, "format": "other"})),
+         "'format' must be \"dtrain-tokens\""),
+        (lambda: (folder / "meta.json").write_text(json.dumps({**meta, "vocab_size": 70000})),
+         "'vocab_size' must be an integer from 2 to what uint16 holds; got 70000"),
+        (lambda: (folder / "train-00000.bin").unlink(), "train-00000.bin is missing"),
+    ]
+    for damage, message in cases:
+        (folder / "meta.json").write_text(json.dumps(meta))
+        if not (folder / "train-00000.bin").exists():
+            shutil.copy(prepared / "train-00000.bin", folder)
+        damage()
+        with pytest.raises(DtrainError, match=re.escape(message)) as refused:
+            read_meta(folder)
+        assert "\n" not in str(refused.value)
+    shutil.rmtree(folder)
+    with pytest.raises(DtrainError, match="meta.json does not exist: data.path must be a folder made by"):
+        read_meta(folder)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["data.block_size=1000000"], "holds 0 training windows of data.block_size + 1 = 1000001 tokens, fewer than "
+                                 "one global batch (8 = data.batch_size × 2 processes); lower data.block_size or "
+                                 "data.batch_size, or prepare more text"),
+    (["model.options={n_layer = 1, n_head = 1, n_embd = 8, vocab_size = 50}"],
+     "model.options.vocab_size = 50 is smaller than the data's vocabulary (1000 tokens, meta.json); drop it to "
+     "use the data's"),
+    (["model.options={n_layer = 1, n_head = 1, n_embd = 8, block_size = 16}"],
+     "model.options.block_size = 16 is shorter than data.block_size = 32; raise it or lower data.block_size"),
+])
+def test_token_jobs_that_cannot_work_are_refused_in_one_line(prepared, tmp_path, args, message):
+    result = dtrain("run", *GPT, f"data.path={prepared}", *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_built_in_gpt_equals_a_hand_written_nanogpt_loop(prepared, tmp_path):
+    ok(torchrun(WORKERS / "gpt_parity.py", prepared, tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["dtrain"]) == len(results["hand"]) == 12
+    for step, (ours, theirs) in enumerate(zip(results["dtrain"], results["hand"]), 1):
+        assert abs(ours - theirs) <= 1e-6, f"step {step}: {ours} vs {theirs}"
+    assert results["hand"][-1] < results["hand"][0] - 0.2  # it learns
+
+
+@pytest.fixture(scope="module")
+def gpt_run(prepared, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gpt_run")
+    ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={run_dir}"))
+    return run_dir
+
+
+def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(prepared, gpt_run, tmp_path):
+    lines = train_lines(gpt_run)
+    assert all(line["tokens_per_s"] == pytest.approx(line["samples_per_s"] * 32) for line in lines)
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    final = [json.loads(line) for line in (gpt_run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["eval_perplexity"] == pytest.approx(np.exp(final["eval_loss"]))
+    # Stopped mid-epoch at step 5, resumed: bitwise the same weights as the run that never stopped.
+    ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}", "training.stop_at_step=5"))
+    resumed = ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}"))
+    assert re.search(r"^resumed from \S+/checkpoints/step-5 \(step 5 of 12, epoch 0\)$", resumed.stderr, re.M)
+    a, b = weights(gpt_run), weights(tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run):
+    first = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
+    again = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
+    assert first.startswith("def ") and len(first) > len("def ") + 10 and first == again  # seeded
+    assert EOT not in first
+    result = dtrain("generate", str(gpt_run / "nope"))
+    assert result.returncode == 2 and "model.safetensors does not exist" not in result.stderr
+    assert result.stderr.strip() == (f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
+                                     f"be the run.dir of a finished run")
+
+
+def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(prepared, tmp_path):
+    """examples/hf_causal_lm.py through `dtrain launch`: dict samples, the model's own .loss, 2 ranks."""
+    pytest.importorskip("transformers")  # the test extra installs it
+    launch = ["launch", "--nproc", "2", "examples/hf_causal_lm.py", "--data", str(prepared), "--width", "32",
+              "--layers", "1"]
+    plan = ["data.block_size=32", "data.batch_size=4", "training.max_steps=10", "training.log_every=1",
+            "scheduler.warmup_steps=2", "optimizer.lr=0.003"]
+    whole = tmp_path / "whole"
+    ok(dtrain(*launch, "--run-dir", str(whole), *plan))
+    lines = train_lines(whole)
+    assert len(lines) == 10 and lines[-1]["loss"] < lines[0]["loss"] - 0.1  # it learns
+    assert lines[0]["tokens_per_s"] == pytest.approx(lines[0]["samples_per_s"] * 32)
+    final = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["eval_perplexity"] == pytest.approx(np.exp(final["eval_loss"])) and "eval_accuracy" not in final
+    parted = tmp_path / "parted"
+    ok(dtrain(*launch, "--run-dir", str(parted), *plan, "training.stop_at_step=4"))
+    resumed = ok(dtrain(*launch, "--run-dir", str(parted), *plan))
+    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 10, epoch 0\)$", resumed.stderr, re.M)
+    a, b = weights(whole), weights(parted)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
