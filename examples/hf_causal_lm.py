@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = dtrain.load_config(None, [
-        f"run.dir={args.run_dir}", "data.block_size=128", "data.batch_size=8", "optimizer.name=adamw",
+        f"run.dir={args.run_dir}", "data.name=tokens", f"data.path={args.data}", "data.block_size=128", "data.batch_size=8", "optimizer.name=adamw",
         "optimizer.lr=0.001", "scheduler.name=cosine", "scheduler.warmup_steps=20", "training.epochs=1",
         "training.max_steps=200", "training.log_every=20", *args.overrides])
     block = config.data.block_size

@@ -96,7 +96,8 @@ class NoLoss(nn.Module):
     (LossOf(loss_fn=lambda out, target: (out["logits"] - 0).sum(1)), (torch.ones(3, 2), torch.zeros(3)),
      "loss_fn returned a tensor of shape (3,), not one number; return the batch's mean loss as a scalar tensor"),
     (LossOf(step_fn=lambda model, batch: 1.0), (torch.ones(3, 2), torch.zeros(3)),
-     "step_fn returned float, not one number; return the batch's mean loss as a scalar tensor"),
+     "step_fn returned a float, not a tensor; return the batch's mean loss as a scalar tensor computed from the "
+     "model's output"),
 ])
 def test_a_loss_that_cannot_be_found_is_one_line_naming_what_was_there(loss_of, batch, message):
     with pytest.raises(DtrainError) as refused:
@@ -113,3 +114,13 @@ def test_the_default_loss_counts_every_position_of_a_sequence():
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1)[keep], target.flatten()[keep])
     assert torch.equal(loss, expected)
     assert LossOf()(lambda x: SimpleNamespace(loss=logits.sum()), {"x": 1})[0] == logits.sum()
+
+
+def test_eval_metrics_of_the_wrong_kind_are_one_line():
+    from dtrain.evaluation import EvalSums
+
+    for returned, message in (("great", "eval_metrics returned str; return a dict of names to numbers"),
+                              ({"m": "great"}, "eval_metrics returned m=str; return one number per name")):
+        sums = EvalSums(torch.device("cpu"), lambda output, batch, r=returned: r)
+        with pytest.raises(DtrainError, match=message):
+            sums.add(torch.tensor(1.0), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, 2)

@@ -155,3 +155,23 @@ def test_any_idx_file_is_read_or_refused_in_one_line(tmp_path_factory, header, b
         mnist.read_idx(path)
     except DtrainError as exc:
         assert "\n" not in str(exc)
+
+
+@fuzz(150)
+@given(meta=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
+                         lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(
+                             ["format", "dtype", "vocab_size", "splits", "train", "val", "files", "tokens",
+                              "tokenizer"]), inner, max_size=5)), max_leaves=12),
+       shape=st.sampled_from(["as is", "dtrain-tokens"]))
+def test_any_token_meta_json_is_read_or_refused_in_one_line(tmp_path_factory, meta, shape):
+    from dtrain.data.tokens import read_meta
+
+    folder = tmp_path_factory.mktemp("tokens")
+    (folder / "train-00000.bin").write_bytes(b"\0\1" * 10)
+    if shape == "dtrain-tokens" and isinstance(meta, dict):  # get past the first check more often
+        meta = {"format": "dtrain-tokens", "dtype": "uint16", **meta}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    try:
+        read_meta(folder)
+    except DtrainError as exc:
+        assert "\n" not in str(exc)

@@ -178,6 +178,8 @@ def test_meta_json_problems_are_one_line(prepared, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["data.path=/no/such/tokens"], "/no/such/tokens/meta.json does not exist: data.path must be a folder made by "
+                                    "`dtrain prepare text ... --out /no/such/tokens`"),
     (["data.block_size=1000000"], "holds 0 training windows of data.block_size + 1 = 1000001 tokens, fewer than "
                                  "one global batch (8 = data.batch_size × 2 processes); lower data.block_size or "
                                  "data.batch_size, or prepare more text"),
@@ -225,11 +227,21 @@ def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(prepared
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run):
+def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_path):
     first = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
     again = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
     assert first.startswith("def ") and len(first) > len("def ") + 10 and first == again  # seeded
     assert EOT not in first
+    assert (gpt_run / "tokenizer" / "tokenizer.json").is_file()  # kept beside the weights
+    moved = tmp_path / "moved"
+    shutil.copytree(gpt_run, moved)
+    config = (moved / "config.toml").read_text()
+    (moved / "config.toml").write_text(re.sub(r'(?m)^path = ".*"$', 'path = "/gone/tokens"', config))
+    elsewhere = ok(dtrain("generate", str(moved), "--prompt", "def ", "--tokens", "30", cwd=tmp_path)).stdout
+    assert elsewhere == first  # the data folder gone, the run read from another folder: the same sample
+    for flags in (["--temperature", "nan"], ["--tokens", "1000000"]):
+        refused = dtrain("generate", str(gpt_run), *flags)
+        assert refused.returncode == 2 and refused.stderr.startswith("dtrain: error: --temperature must be a number")
     result = dtrain("generate", str(gpt_run / "nope"))
     assert result.returncode == 2 and "model.safetensors does not exist" not in result.stderr
     assert result.stderr.strip() == (f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
@@ -256,3 +268,24 @@ def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(pre
     assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 10, epoch 0\)$", resumed.stderr, re.M)
     a, b = weights(whole), weights(parted)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prepare_never_reads_its_own_earlier_output_as_text(corpus, tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(corpus, source)
+    first = prepare_text([str(source)], str(source / "out"), tokenizer="bytes")  # --out inside the source
+    second = prepare_text([str(source)], str(tmp_path / "again"), tokenizer="bytes")
+    assert second["source"]["documents"] == first["source"]["documents"]
+    assert second["splits"]["train"]["tokens"] == first["splits"]["train"]["tokens"]
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
+    folder = tmp_path / "oov"
+    shutil.copytree(prepared, folder)
+    ids = np.fromfile(folder / "train-00000.bin", dtype=np.uint16)
+    ids[::50] = 65535
+    ids.tofile(folder / "train-00000.bin")
+    with pytest.raises(DtrainError, match="a token id 65535 is outside the vocabulary \\(vocab_size 1000 in "
+                                          "meta.json\\)") as refused:
+        TokenWindows(folder, "train", 32).take(torch.arange(40))
+    assert "\n" not in str(refused.value)

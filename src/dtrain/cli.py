@@ -197,10 +197,14 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     meta = prepare_text(args.sources, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                         val_fraction=args.val_fraction, workers=args.workers, python_stdlib=args.python_stdlib,
                         dtype=args.dtype)
-    splits = meta["splits"]
+    splits, source = meta["splits"], meta["source"]
+    skipped = f" ({source['skipped']:,} files skipped: empty or not UTF-8 text)" if source["skipped"] else ""
     print(f"{args.out}: {splits['train']['tokens']:,} training and {splits['val']['tokens']:,} held-out tokens "
-          f"from {meta['source']['documents']:,} documents; vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), "
+          f"from {source['documents']:,} documents{skipped}; vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), "
           f"{meta['dtype']}. Train with data.name=tokens data.path={args.out}")
+    if not splits["val"]["tokens"]:
+        print("note: nothing was held out (one document, or --val-fraction 0): runs on it will not evaluate",
+              file=sys.stderr)
     return 0
 
 

@@ -46,7 +46,11 @@ class EvalSums:
             self._add("classified", samples)
             self._add("correct", (logits.argmax(dim=1) == target).sum())
         if self.user_metrics is not None:
-            for name, value in self.user_metrics(output, batch).items():
+            returned = self.user_metrics(output, batch)
+            if not isinstance(returned, Mapping):
+                raise DtrainError(f"eval_metrics returned {type(returned).__name__}; return a dict of names to "
+                                  f"numbers (each the batch's mean), e.g. {{\"top5\": 0.93}}")
+            for name, value in returned.items():
                 if not isinstance(value, (int, float, torch.Tensor)) or torch.as_tensor(value).numel() != 1:
                     raise DtrainError(f"eval_metrics returned {name}={type(value).__name__}; return one number "
                                       f"per name (the batch's mean)")

@@ -13,6 +13,9 @@ from .data import tokens
 from .errors import DtrainError
 
 
+MAX_TOKENS = 100_000  # a sample to read, not a corpus
+
+
 def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
              top_k: int = 50, seed: int = 0) -> str:
     """The prompt and its continuation, as text."""
@@ -29,10 +32,12 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
     if config.data.name != "tokens":
         raise DtrainError(f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
                           f"trained on token data (data.name=tokens)")
-    if temperature <= 0 or max_new_tokens < 1 or top_k < 0:
-        raise DtrainError("--temperature must be above 0, --tokens at least 1 and --top-k at least 0")
-    meta = tokens.read_meta(config.data.path)
-    tokenizer = load_tokenizer(config.data.path, meta)
+    if not 0 < temperature < float("inf") or not 1 <= max_new_tokens <= MAX_TOKENS or top_k < 0:
+        raise DtrainError(f"--temperature must be a number above 0, --tokens from 1 to {MAX_TOKENS:,} and --top-k at "
+                          f"least 0")
+    kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
+    meta = kept if kept is not None else tokens.read_meta(config.data.path)
+    tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
     model = models.build(config.model, (config.data.block_size,), meta["vocab_size"])
     if not callable(getattr(model, "generate", None)):
         raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")

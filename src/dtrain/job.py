@@ -15,6 +15,7 @@ import torch
 from . import checkpoint, data, devices, distributed, models, rundir
 from .amp import precision_problem
 from .checkpoint import RunDirLock
+from .data import tokens
 from .comm import check_comm_hook
 from .config import Config
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
@@ -66,6 +67,17 @@ def run(config: Config) -> dict[str, Any]:
         torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
         model = models.build(config.model, splits.input_shape, splits.num_classes)
         trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
+        if config.data.name == "tokens":
+            trainer.setup()  # run.dir taken: keep the tokenizer beside the weights, for `dtrain generate`
+            error = None
+            if session.is_main:
+                try:
+                    tokens.keep_tokenizer(config.data.path, Path(config.run.dir))
+                except (OSError, DtrainError) as exc:
+                    error = f"could not keep the tokenizer in {config.run.dir}/tokenizer ({exc})"
+            error = distributed.first_error(error)
+            if error:
+                raise DtrainError(error)
         return trainer.fit()
 
 

@@ -100,8 +100,10 @@ class LossOf:
 
 def _one_number(loss: Any, source: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad and torch.is_grad_enabled():
-        what = describe(loss) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        why = "that does not require grad (computed without the model?)" if isinstance(loss, torch.Tensor) and \
-            loss.numel() == 1 else "not one number"
-        raise DtrainError(f"{source} returned {what}, {why}; return the batch's mean loss as a scalar tensor")
+        if not isinstance(loss, torch.Tensor):
+            raise DtrainError(f"{source} returned a {type(loss).__name__}, not a tensor; return the batch's mean "
+                              f"loss as a scalar tensor computed from the model's output")
+        why = "that does not require grad (computed without the model?)" if loss.numel() == 1 else "not one number"
+        raise DtrainError(f"{source} returned {describe(loss)}, {why}; return the batch's mean loss as a scalar "
+                          f"tensor")
     return loss.reshape(())

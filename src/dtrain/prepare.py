@@ -54,11 +54,21 @@ def find_files(sources: Sequence[str]) -> list[Path]:
             raise DtrainError(f"{source}: no such file or folder")
         for match in matches:
             if match.is_dir():
+                # Token folders an earlier prepare wrote (maybe into this very tree) are output, not text.
+                prepared = [m.parent for m in match.rglob("meta.json") if _is_token_meta(m)]
                 found.update(p for p in match.rglob("*") if p.is_file()
-                             and not any(part.startswith(".") for part in p.relative_to(match).parts))
+                             and not any(part.startswith(".") for part in p.relative_to(match).parts)
+                             and not any(p.is_relative_to(folder) for folder in prepared))
             elif match.is_file():
                 found.add(match)
     return sorted(found)
+
+
+def _is_token_meta(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def read_documents(files: Iterable[Path]) -> Iterator[tuple[str, str]]:
@@ -138,6 +148,8 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
                           f"delete it to prepare again)")
     if not 0 <= val_fraction < 1:
         raise DtrainError(f"--val-fraction must be in [0, 1); got {val_fraction:g}")
+    if workers < 0:
+        raise DtrainError(f"--workers must be 0 (automatic) or more; got {workers}")
     files = stdlib_files() if python_stdlib else find_files(sources)
     if python_stdlib and sources:
         files = sorted(set(files) | set(find_files(sources)))
@@ -181,8 +193,11 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
         raise DtrainError(f"a vocabulary of {vocab} tokens does not fit in {chosen} (at most {limit}); use "
                           f"--dtype uint32 or a smaller --vocab-size")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:
+        raise DtrainError(f"--out {out_dir} cannot be made ({exc.strerror}: {exc.filename}); choose another") from None
     staging.chmod(0o777 & ~_umask())  # mkdtemp's 0700: the folder gets the user's normal mode
     try:
         splits = {}
@@ -192,13 +207,17 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
         meta = {"format": FORMAT, "version": 1, "dtype": chosen, "vocab_size": vocab, "eot_token": eot,
                 "tokenizer": tokenizer_file, "splits": splits,
                 "source": {"python_stdlib": python_stdlib, "paths": list(sources), "files": len(files),
-                           "documents": len(documents)}}
+                           "documents": len(documents), "skipped": len(files) - len(documents)}}
         if tokenizer_file != "bytes":
             (staging / tokenizer_file).write_text(spec, encoding="utf-8")
         (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above)
-        os.replace(staging, out_dir)
+        try:
+            if out_dir.exists():
+                out_dir.rmdir()  # empty (checked above)
+            os.replace(staging, out_dir)
+        except OSError:  # another prepare filled --out meanwhile: its output stays, this one goes
+            raise DtrainError(f"--out {out_dir} was filled by another process while this one prepared; its "
+                              f"output is left as it is") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

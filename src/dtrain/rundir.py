@@ -83,10 +83,11 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "diagnostics": lambda p: _entries(p, r"(flight-recorder-)?rank-\d+.*"),
     "profile": lambda p: _entries(p, r"rank-\d+\..+"),
     "report": lambda p: _entries(p, r"[\w-]+\.png|summary\.txt"),
+    "tokenizer": lambda p: _entries(p, r"meta\.json|tokenizer\.json"),  # token data: what `generate` decodes with
     "mlruns": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
     "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
 }
-KEPT = ("config.toml", LOCK)  # rewritten by every run, never "an earlier run's output"
+KEPT = ("config.toml", "tokenizer", LOCK)  # rewritten by every run, never "an earlier run's output"
 
 
 def _temporary(name: str) -> bool:

@@ -48,7 +48,7 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad(f"'format' must be \"{FORMAT}\"")
-    if meta.get("dtype") not in DTYPES:
+    if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:
         raise bad(f"'dtype' must be one of {', '.join(DTYPES)}; got {meta.get('dtype')!r}")
     vocab = meta.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 < vocab <= np.iinfo(DTYPES[meta["dtype"]]).max + 1:
@@ -118,6 +118,11 @@ class TokenWindows(Dataset):
             rows = np.nonzero(shard == s)[0]
             first = (idx[rows] - self._starts[s]) * self.block_size
             windows[rows] = self._maps[s][first[:, None] + offsets]
+        if len(idx) and (windows.max() >= self.vocab_size or windows.min() < 0):
+            bad = int(windows.max())
+            raise DataError(f"{self.folder}: a token id {bad} is outside the vocabulary (vocab_size "
+                            f"{self.vocab_size} in meta.json); the shards and meta.json do not belong together: "
+                            f"prepare the data again")
         tokens = torch.from_numpy(windows)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -138,3 +143,29 @@ def check_block_size(meta: dict[str, Any], block_size: int, folder: str | Path, 
         raise DataError(f"data.path = '{folder}' holds {n} training windows of data.block_size + 1 = {block_size + 1} "
                         f"tokens, fewer than one global batch ({need} = data.batch_size × {world_size} "
                         f"processes); lower data.block_size or data.batch_size, or prepare more text")
+
+
+def keep_tokenizer(folder: str | Path, run_dir: Path) -> None:
+    """Copy meta.json and the tokenizer into run_dir/tokenizer/: what `dtrain generate` decodes with, so
+    that a run can be sampled wherever it is read from and whatever becomes of data.path."""
+    from ..checkpoint.files import atomic_write_text
+
+    folder, out = Path(folder), run_dir / "tokenizer"
+    meta = read_meta(folder)
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
+    if meta.get("tokenizer", "bytes") != "bytes":
+        atomic_write_text(out / "tokenizer.json", (folder / meta["tokenizer"]).read_text(encoding="utf-8"))
+
+
+def read_kept_tokenizer_meta(run_dir: Path) -> dict[str, Any] | None:
+    """The meta.json a run kept (keep_tokenizer), or None when it kept none."""
+    path = run_dir / "tokenizer" / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path} is not readable JSON ({exc})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"{path} is not a token folder's meta.json")
+    return meta
