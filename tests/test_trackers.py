@@ -98,3 +98,31 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_starts(tmp_p
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="'comet' is none of them"):
         load_config(None, ['monitor.trackers=["comet"]'])
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    trackers = 'monitor.trackers=["mlflow", "wandb"]'
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", trackers, "training.stop_at_step=3", extra_env=env))
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", trackers, extra_env=env))
+    expected = {r["step"]: r["loss"] for r in metrics(tmp_path) if "loss" in r}
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("dtrain").experiment_id])
+    assert len(runs) == 1  # one MLflow run, continued
+    assert {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "loss")} == pytest.approx(expected)
+    parts = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2 and len({p.name.rsplit("-", 1)[-1] for p in parts}) == 1  # one W&B run id, twice
+    history = {}
+    for part in parts:
+        for record in wandb_records(next(part.glob("run-*.wandb"))):
+            if record.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+                if "loss" in items:
+                    history[record.history.step.num] = items["loss"]
+    assert history == pytest.approx(expected)

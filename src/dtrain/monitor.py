@@ -53,7 +53,8 @@ class Monitor:
             # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
             self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                          purge_step=None if purge_after is None else purge_after + 1)
-        self._trackers = open_trackers([t for t in trackers if t != "tensorboard"], run_dir, config or {})
+        self._trackers = open_trackers([t for t in trackers if t != "tensorboard"], run_dir, config or {},
+                                       resuming=purge_after is not None)
         self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()

@@ -47,7 +47,9 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
 
 
 class MLflowTracker:
-    def __init__(self, run_dir: Path, config: dict[str, Any]):
+    """A resumed run continues the MLflow run it started (found by its run.dir tag)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -55,10 +57,17 @@ class MLflowTracker:
             # mlflow package. A server (MLFLOW_TRACKING_URI) needs neither.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dtrain"))
+        experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dtrain"))
         self._mlflow = mlflow
-        self._run = mlflow.start_run(run_name=run_dir.absolute().name)
-        mlflow.log_params({k: str(v)[:500] for k, v in flat(config).items()})
+        where = str(run_dir.absolute())
+        earlier = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`dtrain.run_dir` = '{where}'",
+                                     order_by=["attributes.start_time DESC"], max_results=1,
+                                     output_format="list") if resuming else []
+        if earlier:
+            self._run = mlflow.start_run(run_id=earlier[0].info.run_id)
+        else:
+            self._run = mlflow.start_run(run_name=run_dir.absolute().name, tags={"dtrain.run_dir": where})
+            mlflow.log_params({k: str(v)[:500] for k, v in flat(config).items()})
 
     def log(self, record: dict[str, Any]) -> None:
         self._mlflow.log_metrics(numbers(record), step=record["step"])
@@ -68,11 +77,15 @@ class MLflowTracker:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, config: dict[str, Any]):
+    """A resumed run continues the W&B run it started (its id read from run.dir/wandb/latest-run)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
         import wandb
 
+        latest = run_dir / "wandb" / "latest-run"
+        earlier = os.readlink(latest).rsplit("-", 1)[-1] if resuming and latest.is_symlink() else None
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dtrain"), dir=str(run_dir), config=config,
-                               name=run_dir.absolute().name)
+                               name=run_dir.absolute().name, id=earlier, resume="allow" if earlier else None)
 
     def log(self, record: dict[str, Any]) -> None:
         self._run.log(numbers(record), step=record["step"])
@@ -81,8 +94,9 @@ class WandbTracker:
         self._run.finish()
 
 
-def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> list[Any]:
-    """The trackers besides TensorBoard (which the monitor writes itself), started."""
+def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], resuming: bool = False) -> list[Any]:
+    """The trackers besides TensorBoard (which the monitor writes itself), started; `resuming`: the run
+    continues from a checkpoint, and each tracker continues its own earlier run."""
     check_installed(names)
     kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
-    return [kinds[name](run_dir, config) for name in names if name in kinds]
+    return [kinds[name](run_dir, config, resuming) for name in names if name in kinds]
