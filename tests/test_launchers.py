@@ -129,3 +129,16 @@ def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):
     assert refuse.returncode == 2, refuse.stderr
     assert [line for line in refuse.stderr.splitlines() if line.strip()] == [
         "dtrain: error: data.path = 'nowhere' does not exist; give the folder of the shards"]
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_worker_ends_like_a_normal_exit(tmp_path, code):
+    """Workers leave without the interpreter's teardown (where gloo's threads can abort a finished
+    run): a script's own exit status, its atexit handlers and its buffered output all survive that."""
+    result = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "exit", str(code), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-rank0", "atexit-rank1"]
+    assert "rank 0 is done" in result.stdout and "rank 1 is done" in result.stdout, result.stdout
+    if code == 0:
+        ok(result)
+    else:
+        assert result.returncode != 0 and "exited with status 3" in result.stderr, result.stderr

@@ -91,13 +91,26 @@ def as_worker(work: Callable[[], Any]) -> int:
 
     Under dtrain's launcher a worker writes its error to torchrun's error file and prints nothing:
     the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
-    prints a bad-input message and the other ranks stay quiet.
+    prints a bad-input message and the other ranks stay quiet. One of several workers ends its
+    process here (`distributed.end_worker_process`); a single process returns the exit status.
     """
     distributed.die_with_the_launcher()
-    rank = _rank_from_env()
+    env = _env_or_single()
+    code = _run_reported(work, env.rank)
+    if env.world_size > 1:
+        distributed.end_worker_process(code)
+    return code
+
+
+def _run_reported(work: Callable[[], Any], rank: int) -> int:
     try:
         work()
         return 0
+    except SystemExit as exc:  # a launched script's own sys.exit(...)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr, flush=True)
+        return 1
     except Preempted as exc:
         if rank == 0:
             print(f"dtrain: {exc}", file=sys.stderr, flush=True)
@@ -123,8 +136,8 @@ def report(message: str, rank: int, traceback_text: str | None) -> None:
         print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
 
 
-def _rank_from_env() -> int:
+def _env_or_single() -> distributed.DistEnv:
     try:
-        return distributed.detect_env().rank
-    except DtrainError:
-        return 0
+        return distributed.detect_env()
+    except DtrainError:  # an impossible environment: the worker's own start reports it
+        return distributed.DistEnv()

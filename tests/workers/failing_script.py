@@ -1,6 +1,9 @@
-"""A user's script that fails on every rank, the way scripts fail: `failing_script.py crash|refuse`."""
+"""A user's script that fails on every rank, the way scripts fail: `failing_script.py crash|refuse`;
+or ends with its own `sys.exit(CODE)` after registering an exit handler: `failing_script.py exit CODE DIR`."""
 
+import atexit
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -9,6 +12,10 @@ from dtrain.errors import DtrainError
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 dist.barrier()
+if sys.argv[1] == "exit":
+    atexit.register(lambda: (Path(sys.argv[3]) / f"atexit-rank{rank}").write_text("ran"))
+    print(f"rank {rank} is done")  # stdout is a pipe here: buffered, flushed only by a proper exit
+    sys.exit(int(sys.argv[2]))
 if sys.argv[1] == "crash":
     raise RuntimeError(f"boom on rank {rank}")
 raise DtrainError("data.path = 'nowhere' does not exist; give the folder of the shards")
