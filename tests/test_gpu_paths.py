@@ -249,13 +249,18 @@ def test_a_checkpoint_from_an_unfused_optimizer_resumes_into_a_fused_one(fp16_on
 
 
 def wrap_with(monkeypatch, tmp_path, error):
+    """parallel.ddp's wrap, with torch's DistributedDataParallel failing as `error`."""
+    from dtrain.config import DistributedConfig
+    from dtrain.parallel import ddp
+
     def failing_ddp(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(dtrain.trainer, "DDP", failing_ddp)
-    trainer = dtrain.Trainer(config(tmp_path), model=model(), train_data=data())
-    trainer.session = distributed.Session(DistEnv(), "gloo", torch.device("cpu"), owns_group=False)
-    return trainer._wrap_ddp
+    monkeypatch.setattr(ddp, "DistributedDataParallel", failing_ddp)
+    strategy = ddp.DDP.__new__(ddp.DDP)  # only what _wrap reads: no process group needed
+    strategy.module, strategy.config = model(), DistributedConfig()
+    strategy.session = distributed.Session(DistEnv(), "gloo", torch.device("cpu"), owns_group=False)
+    return strategy._wrap
 
 
 def test_ddp_wrap_translates_only_a_model_mismatch(monkeypatch, tmp_path):

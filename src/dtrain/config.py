@@ -53,6 +53,17 @@ class RunConfig:
 
 @dataclass
 class DistributedConfig:
+    strategy: Literal["ddp", "fsdp", "hsdp"] = setting(
+        "ddp", "ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state "
+        "sharded over the processes (FSDP2). hsdp: sharded within a node, replicated across nodes.")
+    fsdp_units: list[str] = setting([], "Module class names that become FSDP units (default: the model's "
+                               "_no_split_modules — its transformer blocks — else its ModuleList entries).")
+    reshard_after_forward: bool = setting(True, "FSDP: free each unit's gathered parameters after its "
+                                          "forward (less memory; gathered again for backward).")
+    fsdp_cpu_offload: bool = setting(False, "FSDP on GPUs: keep parameters, gradients and optimizer state "
+                                     "on the CPU between uses.")
+    hsdp_shard_size: int = setting(0, "hsdp: processes per shard group (0: the processes of one node).",
+                                   min=0, max=2**20)
     backend: Literal["auto", "nccl", "gloo"] = setting(
         "auto", "auto picks nccl when CUDA GPUs are visible, gloo otherwise.")
     init_method: str = setting("env://", "env:// (torchrun, SLURM, Open MPI set it up), "

@@ -59,6 +59,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # the unit of sharding (FSDP) and of activation checkpointing, as in HF
+
     def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 256, dropout: float = 0.0, bias: bool = False):
         super().__init__()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, data, devices, distributed, models, rundir
+from . import checkpoint, data, devices, distributed, models, parallel, rundir
 from .amp import precision_problem
 from .checkpoint import RunDirLock
 from .data import tokens
@@ -32,6 +32,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     check_installed([t for t in config.monitor.trackers if t != "tensorboard"])
     backend = distributed.resolve_backend(config.distributed.backend)
     check_comm_hook(config.distributed.comm_hook, backend)
+    problem = parallel.check_sharding(config, world_size, local_world_size)
+    if problem:
+        raise ConfigError(problem)
     gpus = devices.visible_gpus()
     distributed.check_device_capacity(backend, local_world_size, len(gpus))
     # The devices the workers will bind: the first GPUs, or this CPU.

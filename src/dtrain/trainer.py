@@ -1,4 +1,4 @@
-"""The training loop: DDP, sharded batches, accumulation with `no_sync`, autocast, clipping, exact eval.
+"""The training loop: the model spread by a strategy (DDP, FSDP), sharded batches, accumulation without sync, autocast, clipping, exact eval.
 
     trainer = dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set)
     trainer.fit()
@@ -17,15 +17,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from . import distributed, perf, rundir
+from . import distributed, parallel, perf, rundir
 from .amp import precision_for
 from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, Position, RunDirLock,
                          atomic_write_text, save_final_weights, truncate_metrics)
-from .comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
-                   shared_memory_hook, timed_allreduce_hook)
 from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TensorDict, TrainBatches
 from .data.sampler import GlobalOrderSampler
@@ -51,8 +48,9 @@ class Trainer:
     batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
     loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
-    eval sample exactly. After `setup()`, `model` is the DDP-wrapped module (the plain one at world size
-    1), `module` the user's own.
+    eval sample exactly. After `setup()`, `parallel` is the strategy spreading the model over the
+    processes (`distributed.strategy`), `model` what the step calls (DDP's wrapper; under FSDP the
+    sharded module itself; the plain module at world size 1), `module` the user's own.
     """
 
     def __init__(self, config: Config | None = None, *, model: nn.Module,
@@ -69,7 +67,7 @@ class Trainer:
         self.collate_fn = collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
-        self.shared_memory: SharedMemoryAllReduce | None = None
+        self.parallel: parallel.Strategy | None = None
         self.step = 0  # optimizer steps taken
         self.epoch = 0
         self.run_dir = Path(self.config.run.dir)
@@ -117,24 +115,22 @@ class Trainer:
                             f"data.batch_size or set data.drop_last=false")
 
         self.module.to(device)
+        peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops, cfg.training.tf32)
+        count = cfg.monitor.flops == "yes" or (cfg.monitor.flops == "auto" and peak is not None)
+        flops_per_sample = self._count_flops() if count else None  # on the whole module, before sharding
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
-        if session.world_size > 1:
-            self.model = self._wrap_ddp()
-            self._attach_comm_hook()
-        else:
-            self.model = self.module
+        self.parallel = parallel.build(cfg, session, self.module, self.timer)
+        self.model = self.parallel.model
         self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters(), device)
         self.total_steps = self._planned_steps()
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
-        peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops, cfg.training.tf32)
-        count = cfg.monitor.flops == "yes" or (cfg.monitor.flops == "auto" and peak is not None)
         self.metrics = StepMetrics(
             device, session.world_size, self.timer, hosts=distributed.hostnames(),
-            flops_per_sample=self._count_flops() if count else None, peak_flops=peak,
+            flops_per_sample=flops_per_sample, peak_flops=peak,
             straggler_margin=cfg.monitor.straggler_margin, count_skips=self.precision.scaler.is_enabled())
         self.profiler = StepProfiler(profile_range(cfg.profile.steps) if cfg.profile.steps else None,
                                      self.run_dir, session.rank, device.type == "cuda")
-        self._unused_checked = False
+        self._first_backward_checked = False
 
         self._take_run_dir()
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, Parts(
@@ -190,55 +186,6 @@ class Trainer:
                             f"data.batch_size (or data.block_size for token data)")
         return sampler
 
-    def _wrap_ddp(self) -> nn.Module:
-        dc, device = self.config.distributed, self.session.device
-        try:
-            return DDP(self.module, device_ids=[device.index] if device.type == "cuda" else None,
-                       bucket_cap_mb=dc.bucket_cap_mb, gradient_as_bucket_view=dc.gradient_as_bucket_view,
-                       static_graph=dc.static_graph, find_unused_parameters=dc.find_unused_parameters)
-        except RuntimeError as exc:
-            # DDP compares every parameter's shape across ranks before it starts. Only that failure is
-            # about the model: an out-of-memory or a broken transport is a RuntimeError too.
-            if not any(sign in str(exc) for sign in _MODEL_MISMATCH):
-                raise
-            first_line = str(exc).strip().splitlines()[0]
-            raise DtrainError(f"the model differs between ranks ({first_line}); build the same model on "
-                              f"every rank: seed before building it and keep its shape independent of "
-                              f"the rank") from None
-
-    def _attach_comm_hook(self) -> None:
-        """DDP's one comm-hook slot: the user's compression, else (CPU, one machine) the shared-memory
-        average, else (CPU across machines) DDP's all-reduce timed per bucket. On GPUs the slot stays
-        free and DDP's C++ all-reduce untouched: communication time is what DDP itself samples."""
-        dc, device = self.config.distributed, self.session.device
-        if dc.comm_hook != "none":
-            register_compression_hook(self.model, dc.comm_hook, self.session.backend)
-        else:
-            self.shared_memory = self._share_gradients_in_memory()
-            if self.shared_memory is not None:
-                self.shared_memory.timer = self.timer
-                return
-            if device.type == "cpu" and self.config.monitor.breakdown:
-                self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
-                return
-        self.timer.comm_source = ddp_exposed_comm(self.model)
-        self._mark_gradient_wait()
-
-    def _mark_gradient_wait(self) -> None:
-        """Tell the hang watchdog when backward is done and DDP waits for the gradient all-reduce, where
-        no hook of dtrain's reports it: the first parameter's gradient is, in the usual layer order,
-        the last to arrive. Without this, a rank waiting for a stalled peer would look stalled too."""
-        first = next((p for p in self.module.parameters() if p.requires_grad), None)
-        if first is None:
-            return
-        model, progress = self.model, self.timer.progress
-
-        def backward_over(_: torch.Tensor) -> None:
-            if model.require_backward_grad_sync:  # not on accumulation micro-batches: no all-reduce
-                progress.at("gradient all-reduce")
-
-        first.register_post_accumulate_grad_hook(backward_over)
-
     def _count_flops(self) -> float | None:
         """Training FLOPs per sample: from the model's own count per token where it has one (the built-in
         GPT: 6N + attention, as nanoGPT and PaLM count), else counted once on a meta-device copy of one
@@ -273,18 +220,6 @@ class Trainer:
         error = distributed.first_error(error)
         if error:
             raise DtrainError(error)
-
-    def _share_gradients_in_memory(self) -> SharedMemoryAllReduce | None:
-        """On CPU with every rank on this machine, average gradients through shared memory."""
-        session = self.session
-        if not (self.config.distributed.shared_memory_allreduce and session.device.type == "cpu"
-                and session.backend == "gloo" and session.env.local_world_size == session.world_size):
-            return None
-        state = SharedMemoryAllReduce.create(self.module, session.rank, session.world_size,
-                                             session.env.local_world_size, self.config.distributed.timeout_s)
-        if state is not None:
-            self.model.register_comm_hook(state, shared_memory_hook)
-        return state
 
     def _planned_steps(self) -> int:
         steps = self.config.training.epochs * self.train_batches.steps_per_epoch
@@ -370,9 +305,10 @@ class Trainer:
         the run says where, exit 2 — never a finished run with nothing to show."""
         path = self.run_dir / "model.safetensors"
         error = None
+        state = self.parallel.full_state_dict()  # a collective under FSDP
         if self.session.is_main:
             try:
-                save_final_weights(self.module, path)
+                save_final_weights(state, path)
             except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error on a full disk
                 error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
                 if "No space left on device" in error:  # safetensors wraps it: "I/O error: ... (os error 28)"
@@ -385,7 +321,7 @@ class Trainer:
                 self._save_checkpoint()
             except CheckpointError as exc:
                 # run.dir's disk is full: the last resort is the system's temporary folder (often another disk).
-                rescued = distributed.from_rank0(_rescue_weights(self.module) if self.session.is_main else None)
+                rescued = distributed.from_rank0(_rescue_weights(state) if self.session.is_main else None)
                 kept = (f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
                         if rescued else "and no copy of the weights could be written anywhere else either")
                 raise DtrainError(f"could not write {path} ({error}), nor a checkpoint of the trained state "
@@ -427,10 +363,9 @@ class Trainer:
         n_step = sum(sizes)
         last = len(micro_batches) - 1
         for i, (batch, n) in enumerate(zip(micro_batches, sizes)):
-            if model is not self.module:
-                # Gradients are all-reduced only on the last micro-batch (DDP's no_sync, as a flag);
-                # the others just add into the local .grad.
-                model.require_backward_grad_sync = i == last
+            # Gradients are averaged across processes only on the last micro-batch; the others just
+            # add into the local gradients.
+            self.parallel.sync_gradients(i == last)
             with self.precision.autocast():
                 loss, _, target = self.loss_of(model, batch)
             if n != n_step:
@@ -439,8 +374,9 @@ class Trainer:
             scaler.scale(loss).backward()
             self.metrics.loss_sum += loss.detach()
         self.timer.backward_done()
-        if not self._unused_checked:
-            self._check_every_parameter_got_a_gradient()
+        if not self._first_backward_checked:
+            self.parallel.after_first_backward()
+            self._first_backward_checked = True
         if scaler.is_enabled():
             # fp16: true gradients before clipping, and (on the device) whether GradScaler skips
             # this step because they overflowed.
@@ -449,8 +385,7 @@ class Trainer:
             if found_inf is not None:  # None: no gradient at all (GradScaler.step says so next)
                 self.metrics.skipped_sum += found_inf
         if self.config.training.max_grad_norm > 0:
-            self.metrics.add_grad_norm(nn.utils.clip_grad_norm_(self.module.parameters(),
-                                                                self.config.training.max_grad_norm))
+            self.metrics.add_grad_norm(self.parallel.clip_grad_norm(self.config.training.max_grad_norm))
         self._lr = optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)
         scaler.update()
@@ -461,37 +396,29 @@ class Trainer:
         self.timer.step_done()
         self.metrics.step_done(n_step, tokens=_tokens(micro_batches))
 
-    def _check_every_parameter_got_a_gradient(self) -> None:
-        """After the first backward: a parameter the forward pass never used leaves DDP waiting for its
-        gradient forever (or failing a step later with a message about reductions). Say what to do."""
-        self._unused_checked = True
-        if self.model is self.module or self.config.distributed.find_unused_parameters:
-            return
-        unused = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
-        if unused:
-            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise DtrainError(f"the forward pass did not use these parameters: {shown}; DDP needs a gradient "
-                              f"for every parameter: set distributed.find_unused_parameters=true, or drop "
-                              f"them from the model (or set requires_grad=False)")
-
     # --- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """eval_loss (and eval_accuracy, eval_perplexity, the user's eval_metrics where they apply) over
-        the whole eval set, reduced across ranks exactly (no padding): see evaluation.py."""
+        the whole eval set, reduced across ranks exactly (each sample counted once): see evaluation.py."""
         if self.eval_batches is None:
             return {}
         self.setup()
-        module = self.module  # no DDP in eval: nothing to all-reduce inside the forward pass
+        # The module itself, not DDP's wrapper: no gradients, nothing to all-reduce. Under FSDP the forward
+        # pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted.
+        module = self.module
+        batches = (self.eval_batches.evened() if self.parallel.forward_is_collective
+                   else ((batch, True) for batch in self.eval_batches))
         was_training = module.training
         module.eval()
         sums = EvalSums(self.session.device, self.eval_metrics)
-        for batch in self.eval_batches:
+        for batch, counted in batches:
             self.timer.progress.at("evaluation")
             with self.precision.autocast():
                 loss, output, target = self.loss_of(module, batch)
-            sums.add(loss, output, target, batch, num_samples(batch))
+            if counted:
+                sums.add(loss, output, target, batch, num_samples(batch))
         module.train(was_training)
         return sums.result()
 
@@ -555,14 +482,14 @@ class Trainer:
         return record
 
 
-def _rescue_weights(module: nn.Module) -> str | None:
+def _rescue_weights(state: dict[str, torch.Tensor]) -> str | None:
     """model.safetensors in a new folder of the first place with room: the system's temporary folder,
     /dev/shm (memory), the home folder, the current folder. Where it went, or None."""
     for place in dict.fromkeys([tempfile.gettempdir(), "/dev/shm", str(Path.home()), os.getcwd()]):
         folder = None
         try:
             folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-", dir=place))
-            save_final_weights(module, folder / "model.safetensors")
+            save_final_weights(state, folder / "model.safetensors")
             return str(folder / "model.safetensors")
         except Exception:  # noqa: BLE001 - anything: try the next place
             if folder is not None:
@@ -579,11 +506,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     """A CUDA OOM, or the CPU allocator's (a MemoryError, or torch's RuntimeError saying so)."""
     return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or (
         isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
-
-
-# How DDP says that ranks disagree about the parameters: their number, a shape, a layout.
-_MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match sizes of the same param",
-                   "appears not to match strides of the same param")
 
 
 def _tokens(micro_batches: list[Any]) -> int | None:

@@ -105,14 +105,14 @@ def shared(out: Path) -> None:
     trainer = dtrain.Trainer(config(out / "parity"), model=fresh_model(), train_data=train, eval_data=held_out)
     trainer.fit()
     results["group_alive_after_user_owned_fit"] = dist.is_initialized()
-    results["parity_used_shared_memory"] = trainer.shared_memory is not None
+    results["parity_used_shared_memory"] = trainer.parallel.shared_memory is not None
     results["parity_weights_equal_plain"] = same_weights(trainer.module, plain_model)
 
     # The shared-memory average is bitwise gloo's at 2 ranks: the same run with gloo's all-reduce.
     over_gloo = dtrain.Trainer(config(out / "gloo", {"distributed": {"shared_memory_allreduce": False}}),
                                model=fresh_model(), train_data=train)
     over_gloo.fit()
-    results["gloo_used_shared_memory"] = over_gloo.shared_memory is not None
+    results["gloo_used_shared_memory"] = over_gloo.parallel.shared_memory is not None
     results["gloo_weights_equal_shared_memory"] = same_weights(over_gloo.module, trainer.module)
 
     # DDP's static_graph changes how it schedules the all-reduce, never the numbers.
@@ -163,7 +163,7 @@ def shared(out: Path) -> None:
     shm = dtrain.Trainer(config(out / "accum_shm", {"distributed": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4,
                                 max_steps=3), model=fresh_model(), train_data=train)
     shm.fit()
-    results["shared_memory_calls"] = shm.shared_memory.calls
+    results["shared_memory_calls"] = shm.parallel.shared_memory.calls
 
     # Accumulating 4 micro-batches of b equals one batch of 4b (203 samples: a partial last step).
     small = {"data": {"batch_size": 4}}
@@ -189,7 +189,7 @@ def shared(out: Path) -> None:
                                     model=fresh_model(), train_data=train)
         compressed.fit()
         results[f"hook_{hook}"] = {"registered": [h.__name__ for h, _ in compressed.model._comm_hooks],
-                                   "shared_memory": compressed.shared_memory is not None}
+                                   "shared_memory": compressed.parallel.shared_memory is not None}
 
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))

@@ -12,8 +12,8 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
-from safetensors.torch import save_model
-from torch import nn
+import torch
+from safetensors.torch import save_file
 
 from ..errors import DtrainError
 from ..rundir import WEIGHTS_MARK
@@ -24,9 +24,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def save_final_weights(model: nn.Module, path: Path) -> None:
-    """The trained weights as safetensors (loadable without pickle), written atomically."""
-    _atomic(path, lambda tmp: save_model(model, tmp, metadata=dict(WEIGHTS_MARK)))
+def save_final_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """The trained weights (a full state dict on the CPU) as safetensors, loadable without pickle,
+    written atomically. Tensors stored once under several names (tied embeddings) are written once,
+    under the first name in sorted order, the others noted in the metadata: what safetensors'
+    `save_model` does, so `load_model` reads the file back into the model."""
+    metadata = dict(WEIGHTS_MARK)
+    unique: dict[str, torch.Tensor] = {}
+    kept: dict[tuple[int, int], str] = {}
+    for name in sorted(state):
+        tensor = state[name]
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (0, id(tensor))
+        if where in kept and state[kept[where]].shape == tensor.shape:
+            metadata.setdefault(name, kept[where])
+            continue
+        kept[where] = name
+        unique[name] = tensor.contiguous()
+    _atomic(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:

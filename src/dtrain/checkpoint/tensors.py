@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from .files import fsync_file
 from .state import Parts, Position, world_size_mismatch
@@ -97,11 +98,18 @@ def load(folder: Path, parts: Parts) -> Position:
     tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
     optim_entries: dict[str, dict[str, Any]] = {
         fqn: dict(entries) for fqn, entries in trainer["optimizer"]["state"].items()}
+    params = dict(parts.module.named_parameters())
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("optimizer/"):
             _, rest = key.split("/", 1)
             fqn, name = rest.rsplit("/", 1)
-            placeholder = torch.empty(item.size, dtype=item.properties.dtype)
+            param = params.get(fqn)
+            if isinstance(param, DTensor) and list(param.shape) == list(item.size):
+                # Shaped like its parameter (Adam's moments): sharded like it too under FSDP (a DTensor
+                # of the same layout), so DCP reads only this rank's part, from however it was saved.
+                placeholder = torch.empty_like(param.detach(), dtype=item.properties.dtype)
+            else:
+                placeholder = torch.empty(item.size, dtype=item.properties.dtype)
             tensors[key] = placeholder
             optim_entries.setdefault(fqn, {})[name] = placeholder
     with _one_process_is_intended():

@@ -65,6 +65,10 @@ class EvalBatches:
                  device: torch.device, collate_fn: Collate | None = None):
         self.indices = eval_shard(len(dataset), rank, world_size)
         self.batch_size = data.eval_batch_size
+        # Rank 0's shard is the largest: every rank can tell how many batches the busiest one runs.
+        self.most_batches = math.ceil(math.ceil(len(dataset) / world_size) / self.batch_size)
+        self._filler_source = lambda: _source_for(
+            _rows(dataset, torch.tensor([0])) if _tensor_backed(dataset) else dataset, data, device, collate_fn)
         if _tensor_backed(dataset):
             # This rank only ever reads its own shard: only that is copied to the device.
             self._source = _TensorSource(_rows(dataset, self.indices), data.on_device, device)
@@ -74,6 +78,20 @@ class EvalBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         return self._source.batches(self.indices, self.batch_size)
+
+    def evened(self) -> Iterator[tuple[Batch, bool]]:
+        """(batch, counted): this rank's batches, then as many uncounted repeats of one of them as make
+        every rank run the same number of forward passes — needed where the forward pass is itself a
+        collective (FSDP gathers parameters in it). A rank with no sample of its own repeats sample 0."""
+        ran, filler = 0, None
+        for batch in self:
+            filler = batch if filler is None else filler
+            ran += 1
+            yield batch, True
+        if ran < self.most_batches and filler is None:
+            filler = next(iter(self._filler_source().batches(torch.tensor([0]), 1)))
+        for _ in range(self.most_batches - ran):
+            yield filler, False
 
 
 def _source_for(dataset: Dataset, data: DataConfig, device: torch.device, collate_fn: Collate | None):

@@ -1,0 +1,57 @@
+"""How a model is spread over the processes: `distributed.strategy`, one small interface (base.py).
+
+    ddp   every process holds the whole model, gradients averaged in backward (ddp.py)
+    fsdp  parameters, gradients and optimizer state sharded over every process (fsdp.py, FSDP2)
+    hsdp  sharded within a group of processes (a node), replicated across the groups (fsdp.py)
+
+The trainer asks a strategy for the model to call, to skip gradient sync on accumulation
+micro-batches, to clip by the global norm and for the full weights at the end; checkpoints read the
+module's own state dict (DTensor shards under FSDP), which torch.distributed.checkpoint writes as is.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import Config
+from ..distributed import Session
+from ..errors import ConfigError
+from ..steptime import StepTimer
+from .base import Strategy
+
+
+def build(config: Config, session: Session, module: nn.Module, timer: StepTimer) -> Strategy:
+    """Spread `module` (already on its device) as `distributed.strategy` says."""
+    name = config.distributed.strategy
+    if name in ("fsdp", "hsdp"):
+        problem = check_sharding(config, session.world_size, session.env.local_world_size)
+        if problem:
+            raise ConfigError(problem)
+        from .fsdp import FSDP
+
+        return FSDP(module, session, config)
+    if session.world_size == 1:
+        return Strategy(module)
+    from .ddp import DDP
+
+    return DDP(module, session, config.distributed, timer, breakdown=config.monitor.breakdown)
+
+
+def check_sharding(config: Config, world_size: int, local_world_size: int) -> str | None:
+    """What a sharded strategy cannot do with this config and world (the launcher checks it before any
+    worker starts), or None."""
+    dc, name = config.distributed, config.distributed.strategy
+    if name not in ("fsdp", "hsdp"):
+        return None
+    if config.training.precision == "fp16":
+        return (f"training.precision = 'fp16' needs a gradient scaler that knows the shards, which dtrain "
+                f"has only for distributed.strategy = 'ddp'; use training.precision=bf16 with '{name}'")
+    if dc.comm_hook != "none":
+        return (f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
+                f"reduces gradients itself: set distributed.comm_hook=none")
+    shard = dc.hsdp_shard_size or local_world_size
+    if name == "hsdp" and world_size % shard:
+        return (f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
+                f"(distributed.hsdp_shard_size, default: the processes of one node) and {world_size} processes "
+                f"do not divide into them; set distributed.hsdp_shard_size to a divisor of {world_size}")
+    return None

@@ -1,0 +1,40 @@
+"""The one interface every strategy offers the trainer and the checkpoint code."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Strategy:
+    """How the model is spread over the processes. This base is one process holding the whole
+    model; `ddp.py` and `fsdp.py` spread it.
+
+    `model` is what the training step calls (a wrapper, or the module itself); `module` is the user's
+    own module, whose state dict (plain tensors, or DTensor shards under FSDP) checkpoints read.
+    """
+
+    name = "single"
+    # Whether the forward pass is itself a collective (FSDP gathers parameters in it): then every rank
+    # must run the same number of forward passes, in evaluation too.
+    forward_is_collective = False
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.model: nn.Module = module
+
+    def sync_gradients(self, enabled: bool) -> None:
+        """Whether the next backward averages gradients across processes (off on accumulation
+        micro-batches, which only add into the local gradients)."""
+
+    def after_first_backward(self) -> None:
+        """A chance to check the first backward (DDP: every parameter got a gradient)."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient by the global norm; returns that norm (before clipping) as a plain tensor."""
+        return nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on the CPU, on rank 0 (None elsewhere). Every rank calls it: under
+        FSDP it is a collective."""
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}

@@ -1,0 +1,106 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded.
+
+Each transformer block is its own unit, then the root: in the forward pass a unit's parameters are
+gathered just before it runs and freed after it (`distributed.reshard_after_forward`), and its
+gradients are reduce-scattered as backward leaves it. The units are the classes named by
+`distributed.fsdp_units`, else the model's own `_no_split_modules` (every Hugging Face model and the
+built-in GPT name their block class there), else the entries of the model's `nn.ModuleList`s.
+
+`hsdp` shards within a group of `distributed.hsdp_shard_size` processes (default: one node) and
+replicates across the groups: a 2-D device mesh (replicate, shard).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..config import Config
+from ..distributed import Session
+from ..errors import ConfigError
+from .base import Strategy
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    forward_is_collective = True
+
+    def __init__(self, module: nn.Module, session: Session, config: Config):
+        super().__init__(module)
+        dc = config.distributed
+        self.mesh = _mesh(session, dc.strategy, dc.hsdp_shard_size)
+        units = find_units(module, dc.fsdp_units)
+        options = dict(mesh=self.mesh, reshard_after_forward=dc.reshard_after_forward,
+                       mp_policy=_precision_policy(config.training.precision))
+        if dc.fsdp_cpu_offload:
+            if session.device.type != "cuda":
+                raise ConfigError("distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
+                                  "the CPU, and this job trains on the CPU already; set it to false")
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+        for unit in units:
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        self.units = len(units)
+
+    def sync_gradients(self, enabled: bool) -> None:
+        # Off: backward keeps unsharded gradients and skips the reduce-scatter (and HSDP's all-reduce).
+        self.module.set_requires_gradient_sync(enabled)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathered one tensor at a time (a collective per tensor): the device never holds more than one
+        full parameter beyond its shards; rank 0 keeps each on the CPU. Tied parameters stay one tensor."""
+        main = self.mesh.get_rank() == 0
+        gathered: dict[tuple, torch.Tensor] = {}
+        full: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict().items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            same = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
+            if same not in gathered:  # state_dict() detaches: a tied parameter shows as two objects
+                tensor = value.full_tensor() if isinstance(value, DTensor) else value
+                gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
+            full[name] = gathered[same]
+        return full if main else None
+
+
+def find_units(module: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The sub-modules that become FSDP units, outermost first (never the root itself)."""
+    wanted = set(names or getattr(module, "_no_split_modules", None) or ())
+    if wanted:
+        units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
+        if not units and names:
+            classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+            raise ConfigError(f"distributed.fsdp_units = {names} names no module of this model; its module "
+                              f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
+        if units:
+            return _outermost(units)
+    return [m for lists in module.modules() if isinstance(lists, nn.ModuleList) for m in lists
+            if any(True for _ in m.parameters())]
+
+
+def _outermost(units: list[nn.Module]) -> list[nn.Module]:
+    inside = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
+    return [unit for unit in units if id(unit) not in inside]
+
+
+def _mesh(session: Session, strategy: str, shard_size: int) -> DeviceMesh:
+    """fsdp: one dimension over every process. hsdp: (replicate, shard), the shard groups being
+    consecutive ranks (one node's, by default); parallel.check_sharding has checked they divide."""
+    world = session.world_size
+    if strategy == "fsdp":
+        return init_device_mesh(session.device.type, (world,))
+    shard = shard_size or session.env.local_world_size
+    return init_device_mesh(session.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def _precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16: parameters gathered and computed in bf16, gradients reduced in fp32; fp32: all fp32."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
