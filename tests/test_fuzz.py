@@ -141,7 +141,7 @@ def test_any_checkpoint_marker_is_trusted_or_refused_in_one_line(a_checkpoint, t
     (run_dir / "checkpoints" / "step-2" / "COMPLETE.json").write_text(json.dumps(marker))
     config = Config.from_dict({"run": {"dir": str(run_dir)}})
     try:
-        checkpoint_preflight(config.checkpoint, run_dir, world_size=1)
+        checkpoint_preflight(config, run_dir, world_size=1, global_order=False)
     except DtrainError as exc:
         assert "\n" not in str(exc)
 

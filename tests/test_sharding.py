@@ -1,6 +1,7 @@
 """Sharded training (distributed.strategy = fsdp | hsdp) against DDP, with real processes on gloo."""
 
 import json
+import re
 
 import pytest
 
@@ -11,8 +12,8 @@ from helpers import WORKERS, assert_weights_close, dtrain, eval_lines, ok, torch
 def fsdp(tmp_path_factory):
     """One launch of 2 processes: DDP and FSDP runs of a small GPT, a stop-and-resume, a bad unit name."""
     out = tmp_path_factory.mktemp("fsdp")
-    ok(torchrun(WORKERS / "sharding.py", "fsdp", out))
-    return out, json.loads((out / "results.json").read_text())
+    launched = ok(torchrun(WORKERS / "sharding.py", "fsdp", out))
+    return out, json.loads((out / "results.json").read_text()), launched.stderr
 
 
 def assert_same_training(a, b, tolerance):
@@ -28,27 +29,40 @@ def assert_same_training(a, b, tolerance):
 def test_fsdp_takes_the_steps_ddp_takes(fsdp, name):
     """Per-step losses, exact eval (ranks with unequal eval batches) and final weights, within 1e-5 —
     with gradient accumulation and clipping by the global norm too."""
-    out, _ = fsdp
+    out, _, _ = fsdp
     assert_same_training(out / f"ddp_{name}", out / f"fsdp_{name}", 1e-5)
     if name == "accum_clip":
         assert all(m["grad_norm"] > 0.05 for m in train_lines(out / "fsdp_accum_clip"))  # clipping bit
 
 
+@pytest.mark.parametrize("plain, changed, tolerance", [
+    ("ddp_plain", "ddp_full_ac", 0), ("fsdp_plain", "fsdp_selective_ac", 0),
+    ("fsdp_plain", "fsdp_compiled", 1e-4), ("ddp_plain", "ddp_compiled", 1e-4)])
+def test_activation_checkpointing_and_compile_take_the_plain_steps(fsdp, plain, changed, tolerance):
+    """Recomputing activations is exact; compiled kernels round differently, within a small tolerance."""
+    out, _, console = fsdp
+    assert_same_training(out / plain, out / changed, tolerance)
+    if "compiled" in changed:
+        mode = "blocks" if changed.startswith("fsdp") else "model"
+        assert re.search(rf"compiled \({mode}\) in the first step: [0-9.]+ s, left out of throughput$", console,
+                         re.M)
+
+
 def test_each_rank_holds_half_the_parameters_and_optimizer_state(fsdp):
-    _, results = fsdp
+    _, results, _ = fsdp
     assert results["units"] == 2  # the GPT's two blocks, then the root
     for held, whole in (results["param_bytes"], results["optimizer_bytes"]):
         assert whole > 0 and held == pytest.approx(whole / 2, rel=0.05)
 
 
 def test_fsdp_resumes_bitwise(fsdp):
-    out, _ = fsdp
+    out, _, _ = fsdp
     assert [m["loss"] for m in train_lines(out / "parted")] == [m["loss"] for m in train_lines(out / "fsdp_plain")]
     assert_weights_close(weights(out / "parted"), weights(out / "fsdp_plain"), atol=0, rtol=0)
 
 
 def test_fsdp_units_naming_no_module_is_one_line(fsdp):
-    _, results = fsdp
+    _, results, _ = fsdp
     assert results["bad_units"].startswith("distributed.fsdp_units = ['Nowhere'] names no module of this model; "
                                            "its module classes are Block, ")
 
@@ -69,9 +83,77 @@ def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
      "distributed.strategy = 'hsdp' shards over groups of 3 processes"),
     (["distributed.strategy=fsdp", "distributed.comm_hook=fp16"],
      "distributed.comm_hook = 'fp16' is a DDP hook"),
+    (["training.compile=true", "CXX=no-such-c++"],
+     "training.compile needs a C++ compiler to build CPU code and 'no-such-c++' (from CXX) is not on PATH"),
+    (["training.activation_checkpointing=full"],  # found by a worker: the launcher does not build the model
+     "training.activation_checkpointing and training.compile=blocks work block by block, and Sequential has no "
+     "blocks dtrain can find"),
 ])
 def test_what_sharding_cannot_do_is_refused_by_the_launcher(tmp_path, overrides, message):
-    result = dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", *overrides)
+    environment = dict(o.split("=", 1) for o in overrides if o.startswith("CXX="))
+    overrides = [o for o in overrides if not o.startswith("CXX=")]
+    result = dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", *overrides,
+                    extra_env=environment)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
+
+
+# --- resuming on another number of processes -------------------------------------------------------
+
+GPT = ["examples/gpt_stdlib.toml", "data.block_size=16", "data.batch_size=4", "training.grad_accum_steps=2",
+       "training.max_steps=8", "training.log_every=1", "checkpoint.every_steps=4", "scheduler.warmup_steps=2",
+       "model.options={n_layer = 2, n_head = 2, n_embd = 16}", "data.eval_batch_size=64"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """Real text (one package of the running Python's standard library) as byte tokens."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", corpus / "json",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("tokens") / "bytes"
+    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--tokenizer", "bytes", "--workers", "1"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole(tokens, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("whole")
+    ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "2", f"run.dir={run_dir}"))
+    return run_dir
+
+
+@pytest.mark.parametrize("before, after, accum", [("ddp", ("fsdp", 1), 4), ("fsdp", ("ddp", 4), 1)])
+def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_path, before, after, accum):
+    """Same global batches after the resume (accumulation regrouped, and said), the loss curve the
+    uninterrupted run took; from DDP to FSDP and back."""
+    strategy, nproc = after
+    ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "2", f"run.dir={tmp_path}",
+              f"distributed.strategy={before}", "training.stop_at_step=4"))
+    resumed = ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", str(nproc), f"run.dir={tmp_path}",
+                        f"distributed.strategy={strategy}"))
+    assert (f"step-4 was written by 2 processes and this run has {nproc}: training.grad_accum_steps 2 → {accum} "
+            f"keeps its global batch of 16 samples") in resumed.stderr
+    losses, reference = [m["loss"] for m in train_lines(tmp_path)], [m["loss"] for m in train_lines(whole)]
+    assert len(losses) == len(reference) == 8 and losses == pytest.approx(reference, abs=1e-5)
+    assert eval_lines(tmp_path)[-1]["eval_loss"] == pytest.approx(eval_lines(whole)[-1]["eval_loss"], abs=1e-5)
+    assert_weights_close(weights(tmp_path), weights(whole), atol=1e-5, rtol=0)
+    assert f"grad_accum_steps = {accum}" in (tmp_path / "config.toml").read_text()
+
+
+def test_what_cannot_resume_on_another_number_of_processes_is_refused_by_the_launcher(tokens, whole, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(whole, run_dir)
+    result = dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "3", f"run.dir={run_dir}", "training.max_steps=12")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0] == ("dtrain: error: checkpoint step-8 trained on global batches of 16 samples (2 processes × 8); "
+                        "3 processes with data.batch_size=4 cannot make that up in whole accumulation steps: resume "
+                        "with a number of processes that divides 16")

@@ -115,6 +115,23 @@ def test_the_order_is_the_same_global_batch_for_1_2_and_4_processes():
     assert GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(0).tolist() != GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(1).tolist()
 
 
+def test_each_optimizer_step_takes_the_same_samples_when_accumulation_makes_up_for_fewer_processes():
+    """data.batch_size fixed at 4, a global batch of 16: 4 processes × 1 micro-batch, 2 × 2 or 1 × 4
+    (what a resume on another number of processes does) — every step takes the same 16 samples, and an
+    epoch holds the same steps."""
+    n, batch, global_batch = 1003, 4, 16
+    for epoch in range(2):
+        steps = {}
+        for world in (1, 2, 4):
+            accum = global_batch // (batch * world)
+            shards = [GlobalOrderSampler(n, r, world, batch, seed=7, accum=accum).shard(epoch) for r in range(world)]
+            per_step = batch * accum
+            assert len(shards[0]) == (n // global_batch) * per_step
+            steps[world] = [sorted(torch.cat([s[k * per_step:(k + 1) * per_step] for s in shards]).tolist())
+                            for k in range(n // global_batch)]
+        assert steps[1] == steps[2] == steps[4]
+
+
 def test_windows_across_shards_match_the_files(tmp_path):
     parts = [np.arange(0, 100, dtype=np.uint16), np.arange(1000, 1050, dtype=np.uint16)]
     for i, part in enumerate(parts):

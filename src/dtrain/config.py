@@ -30,9 +30,10 @@ _MISSING = dataclasses.MISSING
 
 
 def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-            above: float | None = None) -> Any:
-    """Declare one config key: `min`/`max` are inclusive bounds, `above` an exclusive lower bound."""
-    meta = {"help": help, "min": min, "max": max, "above": above}
+            above: float | None = None, booleans: tuple[str, str] | None = None) -> Any:
+    """Declare one config key: `min`/`max` are inclusive bounds, `above` an exclusive lower bound;
+    `booleans` the choices that false and true stand for."""
+    meta = {"help": help, "min": min, "max": max, "above": above, "booleans": booleans}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -56,7 +57,8 @@ class DistributedConfig:
     strategy: Literal["ddp", "fsdp", "hsdp"] = setting(
         "ddp", "ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state "
         "sharded over the processes (FSDP2). hsdp: sharded within a node, replicated across nodes.")
-    fsdp_units: list[str] = setting([], "Module class names that become FSDP units (default: the model's "
+    fsdp_units: list[str] = setting([], "Module class names of the model's blocks: FSDP's units, and what "
+                               "activation checkpointing and compile=blocks work on (default: the model's "
                                "_no_split_modules — its transformer blocks — else its ModuleList entries).")
     reshard_after_forward: bool = setting(True, "FSDP: free each unit's gathered parameters after its "
                                           "forward (less memory; gathered again for backward).")
@@ -160,6 +162,14 @@ class TrainingConfig:
                              "device only then.", min=1)
     eval_every: int = setting(1, "Epochs between evaluations (the last epoch always evaluates; "
                               "0: only then).", min=0)
+    activation_checkpointing: Literal["none", "full", "selective"] = setting(
+        "none", "Recompute activations in backward instead of keeping them, block by block: full keeps only "
+        "each block's input; selective also keeps matmul and attention outputs (less memory than none, less "
+        "recomputation than full).")
+    compile: Literal["none", "blocks", "model"] = setting(
+        "none", "torch.compile: blocks compiles each block (fast to compile; true means this), model the "
+        "whole forward. The first step, which compiles, is reported on its own line and left out of "
+        "throughput.", booleans=("none", "blocks"))
     stop_at_step: int = setting(0, "End this run after this optimizer step with a checkpoint, keeping "
                                 "the schedule of the whole run; a later resume continues (0: off).",
                                 min=0)
@@ -407,6 +417,8 @@ def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text:
     origin = typing.get_origin(type_)
     if origin is Literal:
         choices = typing.get_args(type_)
+        if isinstance(value, bool) and meta.get("booleans"):
+            return meta["booleans"][value]
         if value not in choices:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""

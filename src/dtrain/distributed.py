@@ -317,10 +317,31 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
     return Session(env, backend, device, owns_group=True)
 
 
-def stop(session: Session) -> None:
-    """Destroy the process group if this session made it."""
+def stop(session: Session, together: bool = False) -> None:
+    """Destroy the process group if this session made it. `together`: every rank got here in step (a
+    run that ended normally, or an agreed stop), so one more collective is safe."""
     if session.owns_group and dist.is_initialized():
+        if together and session.backend == "gloo":
+            _let_gloo_settle()
         dist.destroy_process_group()
+
+
+def _let_gloo_settle(limit_s: float = 10.0) -> None:
+    """Return once gloo's worker thread has let go of every collective run so far.
+
+    That thread drops a finished collective's tensors after the caller has moved on, and needs the GIL
+    to drop a tensor Python made. DDP keeps the process group past destroy_process_group, and when the
+    user's script then drops the Trainer, the group's destructor joins that thread while holding the
+    GIL: a deadlock (a finished run that never exits). gloo runs its queue in order and drops each
+    collective before the next starts, so once the thread has dropped one last collective of our own,
+    waited for here with the GIL free, nothing it holds needs the GIL any more."""
+    import time
+
+    probe = torch.zeros(1)
+    dist.all_reduce(probe)  # holds no earlier collective (a barrier would)
+    deadline = time.monotonic() + limit_s
+    while probe._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 @contextlib.contextmanager

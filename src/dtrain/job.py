@@ -44,6 +44,10 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
                                     rocm=torch.version.hip is not None)
         if problem:
             raise ConfigError(problem)
+    if config.training.compile != "none":
+        problem = parallel.blocks.compiler_problem(targets[0][0])
+        if problem:
+            raise ConfigError(problem)
     data.prepare(config)
     data.check(config, world_size)
     n_train = data.size_hint(config)
@@ -51,7 +55,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         check_shardable(config, n_train, world_size)
     rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not rundir.later_attempt()  # a restart of this run resumes instead
-    resume_from = checkpoint.preflight(config.checkpoint, run_dir, world_size, fresh=fresh)
+    # Token data is served in an order that does not depend on the world size; a factory's may be.
+    global_order = True if config.data.name == "tokens" else (None if ":" in config.data.name else False)
+    resume_from = checkpoint.preflight(config, run_dir, world_size, global_order, fresh=fresh)
     if world_size > local_world_size:
         return  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()

@@ -11,11 +11,12 @@ straggle. That gather is the only place the host waits for the device.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .memory import FIELDS as memory_fields
 from .perf import stragglers
 from .steptime import PHASES, StepTimer
 
@@ -42,6 +43,12 @@ class StepMetrics:
         self._start = time.perf_counter()
         self._paused_at: float | None = None
         self._windows = 0
+        # A step left out of the rates (torch.compile's first): its samples, tokens and seconds.
+        self._untimed: tuple[int, int | None, float] | None = None
+        # Set by the trainer after its first step: this rank's (parameter, gradient, optimizer-state)
+        # bytes and how to read its peak memory; sent with the next gather, then cleared.
+        self.held: tuple[int, int, int] | None = None
+        self.peak: Callable[[], tuple[int, str]] | None = None
 
     def restart(self) -> None:
         """Start the window afresh (set-up time is not training time)."""
@@ -58,6 +65,14 @@ class StepMetrics:
         if tokens is not None:
             self._tokens = (self._tokens or 0) + tokens
 
+    def leave_out_of_rates(self, samples: int, tokens: int | None, seconds: float) -> None:
+        """The step just done (its time paused) does not count in samples/s and tokens/s: torch.compile's
+        first step. Only a window holding no other step reports it, as the best figure there is."""
+        self._samples -= samples
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) - tokens
+        self._untimed = (samples, tokens, seconds)
+
     def pause(self) -> None:
         """Evaluation and checkpoints do not count as training time."""
         self._paused_at = time.perf_counter()
@@ -69,13 +84,22 @@ class StepMetrics:
 
     def take(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """The window's record (every rank gets the same) and whether any rank asked to stop."""
+        untimed, self._untimed = self._untimed, None
+        if untimed is not None and self._steps == 1:  # nothing else in the window: report what there is
+            self._samples, self._tokens = untimed[0], untimed[1]
+            self._start -= untimed[2]
+            untimed = None
+        timed_steps = self._steps - (untimed is not None)
         phases = self.timer.take() if self.timer.enabled else None  # on CUDA: the window's work is done
         # This rank's own clock for the window, read before the gather: every step it timed lies inside
         # it, so the phases can never add up to more than the step time they break down.
         own_seconds = max(time.perf_counter() - self._start, 1e-9)
         split = [phases[p] for p in PHASES] if phases else []
-        local = torch.tensor([0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, *split],
-                             dtype=torch.float64, device=self.device)
+        held = self.held if self.held is not None else (0, 0, 0)
+        measured = self.held is not None and self.peak is not None
+        memory = [*held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
+        local = torch.tensor([0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory,
+                              *split], dtype=torch.float64, device=self.device)
         for column, total in ((_LOSS, self.loss_sum), (_NORM, self.norm_sum), (_NORMS, self.norm_count),
                               (_SKIPPED, self.skipped_sum)):
             local[column] += total.double()
@@ -96,8 +120,11 @@ class StepMetrics:
         if self._tokens is not None:
             record["tokens_per_s"] = self._tokens * self.world_size / seconds
         stop = any(r[_STOP] > 0 for r in rows)
+        if all(r[_MEASURED] for r in rows):  # once: the first log step after each rank measured its own
+            record.update({name: [int(r[_MEMORY0 + i]) for r in rows] for i, name in enumerate(memory_fields)})
+            self.held = self.peak = None
         if phases is not None:
-            record.update(self._breakdown(rows))
+            record.update(self._breakdown(rows, timed_steps))
         self._windows += 1
         if self.flops_per_sample is not None:
             record["flops_per_sample"] = self.flops_per_sample
@@ -106,7 +133,7 @@ class StepMetrics:
         self._steps, self._samples, self._tokens, self._start = 0, 0, None, now
         return record, stop
 
-    def _breakdown(self, rows: list[list[float]]) -> dict[str, Any]:
+    def _breakdown(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
         def mean(column: int) -> float:
             return sum(r[column] for r in rows) / len(rows)
 
@@ -115,7 +142,7 @@ class StepMetrics:
         # The first window holds one-off warm-up work (kernel selection, allocator growth): not judged.
         slow = stragglers(busy, self.margin) if self._windows > 0 else []
         out: dict[str, Any] = {
-            "step_ms": 1000 * mean(_OWN_SECONDS) / max(self._steps, 1),
+            "step_ms": 1000 * mean(_OWN_SECONDS) / max(steps, 1),
             **{f"{p}_ms": mean(column) for p, column in phase.items()},
             "rank_busy_ms": busy,
         }
@@ -125,7 +152,8 @@ class StepMetrics:
 
 
 # Columns of the vector each rank contributes to the gather.
-_LOSS, _NORM, _NORMS, _SKIPPED, _STOP, _OWN_SECONDS, _PHASE0 = range(7)
+_LOSS, _NORM, _NORMS, _SKIPPED, _STOP, _OWN_SECONDS, _MEASURED, _MEMORY0 = range(8)
+_PHASE0 = _MEMORY0 + len(memory_fields)
 
 
 def _gather(local: torch.Tensor, world_size: int) -> torch.Tensor:

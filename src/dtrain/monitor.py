@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .memory import FIELDS as memory_fields
 from .trackers import open_trackers
 
 # TensorBoard tags for the keys of a metrics record.
@@ -100,6 +101,9 @@ class Monitor:
         for key, value in record.items():  # the user's eval_metrics
             if key.startswith("eval_") and key not in TB_TAGS and key != "eval_samples" and isinstance(value, float):
                 self._writer.add_scalar(f"eval/{key[len('eval_'):]}", value, step)
+        for name in memory_fields:  # once, at the first log step
+            for rank, size in enumerate(record.get(name, [])):
+                self._writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
         for rank, ms in enumerate(record.get("rank_busy_ms", [])):
             self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
 

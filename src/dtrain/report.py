@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DtrainError
+from .memory import FIELDS as memory_fields
+from .memory import describe
 
 PHASES = ("data", "compute", "comm", "optimizer")
 
@@ -71,6 +73,9 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
     if (all(_number(record.get(k)) for k in timing) and isinstance(busy, list) and busy
             and all(_number(b) for b in busy) and ranks in (None, len(busy))):
         kept.update({k: record[k] for k in timing}, rank_busy_ms=busy)
+    sizes = [record.get(name) for name in memory_fields]  # the first log step's, per rank
+    if all(isinstance(v, list) and v and len(v) == len(sizes[0]) and all(_number(b) for b in v) for v in sizes):
+        kept.update(zip(memory_fields, sizes))
     stragglers = record.get("stragglers")
     if isinstance(stragglers, list) and all(isinstance(s, dict) and isinstance(s.get("rank"), int)
                                             and isinstance(s.get("host"), str) for s in stragglers):
@@ -134,6 +139,23 @@ def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         ax.legend(loc="upper right")
         ax.set_title("per-rank step time")
         figures["ranks"] = fig
+    measured = [r for r in train if "param_bytes" in r]
+    if measured:
+        last = measured[-1]
+        ranks = range(len(last["param_bytes"]))
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        bottom = [0.0] * len(ranks)
+        for name, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"),
+                            ("optimizer_bytes", "optimizer state")):
+            mib = [b / 2**20 for b in last[name]]
+            ax.bar([r - 0.2 for r in ranks], mib, 0.4, bottom=bottom, label=label)
+            bottom = [a + b for a, b in zip(bottom, mib)]
+        ax.bar([r + 0.2 for r in ranks], [b / 2**20 for b in last["peak_bytes"]], 0.4, label="peak", color="grey")
+        ax.set_xticks(list(ranks), [f"rank {r}" for r in ranks])
+        ax.set_ylabel("MiB")
+        ax.legend(loc="upper right")
+        ax.set_title(f"what each rank holds (step {last['step']})")
+        figures["memory"] = fig
     return figures
 
 
@@ -157,6 +179,9 @@ def summary(records: list[dict[str, Any]]) -> str:
         lines.append(f"communication share: {shares['comm']:.0%} of step time")
     if any("mfu" in r for r in steady):
         lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
+    measured = [r for r in train if "param_bytes" in r]
+    if measured:
+        lines.append(describe(measured[-1]))
     seen = Counter((s["rank"], s["host"]) for r in train for s in r.get("stragglers", ()))
     if seen:
         lines.append("stragglers seen: " + ", ".join(f"rank {rank} on {host} in {n} logged window(s)"

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import distributed, parallel, perf, rundir
+from . import distributed, memory, parallel, perf, rundir
 from .amp import precision_for
 from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, Position, RunDirLock,
-                         atomic_write_text, save_final_weights, truncate_metrics)
+                         atomic_write_text, resume_geometry, save_final_weights, truncate_metrics)
+from .checkpoint.state import regroup
 from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TensorDict, TrainBatches
 from .data.sampler import GlobalOrderSampler
@@ -103,6 +104,7 @@ class Trainer:
                               f"give a torch.nn.Module with parameters that require gradients")
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         check_shardable(cfg, len(self.train_data), session.world_size)
+        self._regrouped = self._regroup()
 
         sampler = self._sampler()
         self.train_batches = TrainBatches(self.train_data, sampler, cfg.data, cfg.training.grad_accum_steps,
@@ -166,6 +168,8 @@ class Trainer:
         if resume_from is not None:
             self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
                               f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
+        if self._regrouped and continuing:
+            self.monitor.info(self._regrouped)
         if replanned and continuing:
             self.monitor.info(f"the plan changed since that checkpoint ({replanned}): the learning-rate "
                               f"schedule is rebuilt for this config and continues at step {self.step}")
@@ -173,13 +177,40 @@ class Trainer:
         self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
                                session.world_size, self.run_dir)
 
+    def _regroup(self) -> str | None:
+        """Resuming a checkpoint written by another number of processes (a node lost for good, a job
+        requeued on another allocation): token data continues at the same global sample position with
+        the same global batches, `training.grad_accum_steps` changed to make them up (see
+        checkpoint.state.regroup); other data is refused. What changed, for the console, or None."""
+        cfg, answer = self.config, (None, None)
+        if self.session.is_main:
+            try:
+                saved = resume_geometry(cfg.checkpoint, self.run_dir, fresh=cfg.run.overwrite and not rundir.later_attempt())
+                if saved is not None and saved[2]:
+                    accum = regroup(*saved, self.session.world_size, cfg.data.batch_size,
+                                    cfg.training.grad_accum_steps, getattr(self.train_data, "global_order", False))
+                    answer = ((saved[0], saved[1], accum), None)
+            except DtrainError as exc:
+                answer = (None, str(exc))
+        found, error = distributed.from_rank0(answer)
+        if error:
+            raise DtrainError(error)
+        if found is None or found[2] == cfg.training.grad_accum_steps:
+            return None
+        name, saved_world, accum = found
+        before, cfg.training.grad_accum_steps = cfg.training.grad_accum_steps, accum
+        return (f"{name} was written by {saved_world} processes and this run has {self.session.world_size}: "
+                f"training.grad_accum_steps {before} → {accum} keeps its global batch of "
+                f"{accum * cfg.data.batch_size * self.session.world_size} samples")
+
     def _sampler(self) -> ShardSampler:
         """DistributedSampler's order; for data that asks for it (token windows) an order that does not
         depend on the world size, which needs one whole global batch."""
         n, session, cfg = len(self.train_data), self.session, self.config
         if not getattr(self.train_data, "global_order", False):
             return ShardSampler(n, session.rank, session.world_size, seed=cfg.run.seed)
-        sampler = GlobalOrderSampler(n, session.rank, session.world_size, cfg.data.batch_size, seed=cfg.run.seed)
+        sampler = GlobalOrderSampler(n, session.rank, session.world_size, cfg.data.batch_size, seed=cfg.run.seed,
+                                     accum=cfg.training.grad_accum_steps)
         if sampler.global_batches == 0:
             raise DataError(f"the training set has {n} samples, fewer than one global batch "
                             f"(data.batch_size={cfg.data.batch_size} × {session.world_size} processes); lower "
@@ -236,6 +267,8 @@ class Trainer:
         self.setup()
         cfg = self.config.training
         last: dict[str, Any] = {}
+        together = False  # whether every rank leaves this loop in step
+        compiling = self.config.training.compile != "none"
         stop = StopRequest()
         stop.install()
         self.watch.start()
@@ -253,7 +286,11 @@ class Trainer:
                     if micro_batches is None:
                         break
                     self.timer.data_ready()
-                    self._train_step(micro_batches)
+                    if compiling:  # torch.compile compiles on the first call
+                        compiling = False
+                        self._compiling_step(micro_batches)
+                    else:
+                        self._train_step(micro_batches)
                     self.step += 1
                     self.monitor.advance()
                     stopping = False
@@ -263,6 +300,7 @@ class Trainer:
                         stopping = stop.requested  # nobody to agree with: check every step
                     if stopping and self.step < self.total_steps:
                         self._save_checkpoint()
+                        together = True
                         raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
                                         f"{self.checkpointer.store.root}/step-{self.step}; rerun the same "
                                         f"command to resume")
@@ -274,6 +312,7 @@ class Trainer:
                         self.monitor.info(f"stopped at step {self.step} as training.stop_at_step asks; "
                                           f"resume to continue")
                         distributed.barrier()
+                        together = True
                         return last
                     if self.step == self.total_steps:
                         break
@@ -286,6 +325,7 @@ class Trainer:
                 self._save_checkpoint()
             self._write_final_weights()
             distributed.barrier()
+            together = True
         except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             if not _out_of_memory(exc):
                 raise
@@ -296,7 +336,7 @@ class Trainer:
             stop.uninstall()
             self.monitor.close()
             self._lock.release()
-            distributed.stop(self.session)
+            distributed.stop(self.session, together)
         return last
 
     def _write_final_weights(self) -> None:
@@ -351,10 +391,34 @@ class Trainer:
             levers.append("training.precision=bf16")
         if cfg.data.on_device and self.session.device.type == "cuda":
             levers.append("data.on_device=false")
-        memory = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
-        return DtrainError(f"out of {memory} {when} on rank {self.session.rank} with "
+        sharded = cfg.distributed.strategy in ("fsdp", "hsdp")
+        if not sharded and self.session.world_size > 1:
+            levers.append("distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)")
+        if cfg.training.activation_checkpointing == "none" and _has_blocks(self.module, cfg):
+            levers.append("training.activation_checkpointing=full")
+        if sharded and not cfg.distributed.fsdp_cpu_offload and self.session.device.type == "cuda":
+            levers.append("distributed.fsdp_cpu_offload=true")
+        what = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
+        return DtrainError(f"out of {what} {when} on rank {self.session.rank} with "
                            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
                            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
+
+    def _compiling_step(self, micro_batches: list[Any]) -> None:
+        """The step in which torch.compile compiles: timed on its own console line, left out of the
+        step-time breakdown and of samples/s and tokens/s."""
+        self.metrics.pause()
+        timing, self.timer.enabled = self.timer.enabled, False
+        began = time.perf_counter()
+        self._train_step(micro_batches)
+        if self.session.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+        self.timer.enabled = timing
+        self.metrics.resume()
+        self.metrics.leave_out_of_rates(sum(num_samples(batch) for batch in micro_batches),
+                                        _tokens(micro_batches), seconds)
+        self.monitor.info(f"compiled ({self.config.training.compile}) in the first step: {seconds:.1f} s, left "
+                          f"out of throughput")
 
     def _train_step(self, micro_batches: list[Any]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
@@ -374,9 +438,11 @@ class Trainer:
             scaler.scale(loss).backward()
             self.metrics.loss_sum += loss.detach()
         self.timer.backward_done()
-        if not self._first_backward_checked:
+        first = not self._first_backward_checked
+        if first:
             self.parallel.after_first_backward()
             self._first_backward_checked = True
+            grads = memory.gradient_bytes(self.module)
         if scaler.is_enabled():
             # fp16: true gradients before clipping, and (on the device) whether GradScaler skips
             # this step because they overflowed.
@@ -389,6 +455,10 @@ class Trainer:
         self._lr = optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)
         scaler.update()
+        if first:  # AdamW's state exists now: what this rank holds goes out with the next log step
+            params, state = memory.state_bytes(self.module, optimizer)
+            self.metrics.held = (params, grads, state)
+            self.metrics.peak = lambda: memory.peak_bytes(self.session.device)
         optimizer.zero_grad(set_to_none=True)
         # A step GradScaler skipped advances the schedule here too: it is taken back at the next log
         # step, when the host learns of it without waiting on the device (see _log_train).
@@ -442,6 +512,8 @@ class Trainer:
         if record.get("skipped_steps"):
             self._unschedule(record["skipped_steps"])
         self.monitor.log(record)
+        if "param_bytes" in record:
+            self.monitor.info(memory.describe(record, memory.peak_bytes(self.session.device)[1]))
         return record, stop
 
     def _unschedule(self, skipped: int) -> None:
@@ -519,3 +591,11 @@ def check_shardable(config: Config, n_train: int, world_size: int) -> None:
     if n_train < world_size:
         raise DataError(f"data set '{config.data.name}' has {n_train} training samples, too few for "
                         f"{world_size} processes; use --nproc {max(1, n_train)} or fewer")
+
+
+def _has_blocks(module: nn.Module, config: Config) -> bool:
+    """Whether activation checkpointing could work on this model, block by block."""
+    try:
+        return bool(parallel.blocks.find_blocks(module, config.distributed.fsdp_units))
+    except DtrainError:
+        return False

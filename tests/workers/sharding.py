@@ -79,6 +79,11 @@ def main(mode: str, out: Path) -> None:
     results["param_bytes"], results["optimizer_bytes"] = params, optim
     results["units"] = trainer.parallel.units
     if mode == "fsdp":
+        # Activation checkpointing and compile, each against the plain runs above.
+        train(out / "ddp_full_ac", "ddp", activation_checkpointing="full")
+        train(out / "fsdp_selective_ac", sharded, activation_checkpointing="selective")
+        train(out / "fsdp_compiled", sharded, compile="blocks", activation_checkpointing="selective")
+        train(out / "ddp_compiled", "ddp", compile="model")
         train(out / "parted", sharded, stop_at_step=3)
         train(out / "parted", sharded)  # resumes from step-3
         try:

@@ -10,14 +10,14 @@ import json
 import os
 from pathlib import Path
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, Config
 from ..distributed import first_error, from_rank0
 from .files import RunDirLock, atomic_write_text, save_final_weights
-from .state import Parts, Position, world_size_mismatch
-from .store import Checkpoint, CheckpointError, CheckpointStore
+from .state import Parts, Position, regroup
+from .store import Checkpoint, CheckpointError, CheckpointStore, marker_problem
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
-           "Position", "RunDirLock", "atomic_write_text", "save_final_weights",
+           "Position", "RunDirLock", "atomic_write_text", "resume_geometry", "save_final_weights",
            "truncate_metrics"]
 
 
@@ -119,19 +119,42 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
     return newest if mode != "no" else None
 
 
-def preflight(config: CheckpointConfig, run_dir: Path, world_size: int, fresh: bool = False) -> Checkpoint | None:
-    """The checkpoint the run will continue from (None: a fresh start), or what the launcher can refuse
-    before starting workers: a resume that cannot happen, a damaged checkpoint, one from another world
-    size. `fresh`: the run starts afresh whatever run.dir holds (run.overwrite)."""
+def resume_geometry(config: CheckpointConfig, run_dir: Path, fresh: bool = False,
+                    verify: bool = False) -> tuple[str, int, int] | None:
+    """(name, world size, samples per process per step) of the checkpoint a run would continue from,
+    read from its marker without touching anything (`verify`: every file checked against it too);
+    None for a fresh start, or a marker the resume itself will judge."""
     if fresh:
         return None
     store = CheckpointStore(run_dir)
-    checkpoint = choose_resume(store, config.resume)
-    if checkpoint is not None:
-        saved = store.check_intact(checkpoint).get("world_size")
-        if saved is not None and saved != world_size:
-            raise CheckpointError(world_size_mismatch(checkpoint.name, saved, world_size))
-    return checkpoint
+    checkpoint = choose_resume(store, "auto" if restart_count() > 0 else config.resume)
+    if checkpoint is None:
+        return None
+    if verify:
+        meta = store.check_intact(checkpoint)
+    else:
+        try:
+            meta = checkpoint.meta()
+        except (OSError, ValueError):
+            return None
+        if marker_problem(meta, checkpoint.step):
+            return None
+    return checkpoint.name, meta.get("world_size", 1), meta.get("samples_per_step", 0)
+
+
+def preflight(config: Config, run_dir: Path, world_size: int, global_order: bool | None,
+              fresh: bool = False) -> str | None:
+    """What the launcher can refuse before starting workers: a resume that cannot happen, a damaged
+    checkpoint, one whose global batches this world cannot take (see `regroup`). The checkpoint the run
+    will continue from (None: a fresh start). `fresh`: the run starts afresh whatever run.dir holds."""
+    saved = resume_geometry(config.checkpoint, run_dir, fresh, verify=True)
+    if saved is None:
+        return None
+    name, saved_world, saved_per_rank = saved
+    if saved_per_rank:  # markers before 0.3 did not say; the workers check the checkpoint itself
+        regroup(name, saved_world, saved_per_rank, world_size, config.data.batch_size,
+                config.training.grad_accum_steps, global_order)
+    return name
 
 
 def _space_hint(store: CheckpointStore) -> str:

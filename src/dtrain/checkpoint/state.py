@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .store import CheckpointError
+
 
 @dataclass
 class Position:
@@ -38,5 +40,36 @@ class Parts:
 
 
 def world_size_mismatch(name: str, saved: int, now: int) -> str:
-    return (f"checkpoint {name} was written by {saved} processes and this run has {now}; resume with "
-            f"{saved} processes (--nproc × --nnodes; the data order depends on it), or start a new run.dir")
+    return (f"checkpoint {name} was written by {saved} processes and this run has {now}; resume with {saved} "
+            f"processes (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
+            f"(token data, data.name=tokens, resumes on any number), or start a new run.dir")
+
+
+def regroup(name: str, saved_world: int, saved_per_rank: int, world: int, batch_size: int, accum: int,
+            global_order: bool | None) -> int:
+    """The `training.grad_accum_steps` with which this run (`world` processes, `batch_size` each) resumes
+    checkpoint `name` — taken by `saved_world` processes with `saved_per_rank` samples each per step —
+    taking the same global batches; or a CheckpointError saying why it cannot.
+
+    At the same world size nothing changes. At another, only data served in a world-size-independent
+    order (`global_order`: token data) can continue where it stood, and only when whole accumulation
+    steps make up the checkpoint's global batch. `global_order` None: not known yet (the launcher, for a
+    data factory): only the arithmetic is checked."""
+    if world == saved_world:
+        if saved_per_rank != batch_size * accum:
+            raise CheckpointError(
+                f"checkpoint {name} took {saved_per_rank} samples per process per step and this run takes "
+                f"{batch_size * accum} (data.batch_size × training.grad_accum_steps); resume with the same "
+                f"values, or start a new run.dir")
+        return accum
+    if global_order is False:
+        raise CheckpointError(world_size_mismatch(name, saved_world, world))
+    global_batch = saved_world * saved_per_rank
+    if global_batch % (batch_size * world):
+        fits = [b for b in range(1, global_batch // world + 1) if global_batch % (b * world) == 0]
+        raise CheckpointError(
+            f"checkpoint {name} trained on global batches of {global_batch} samples ({saved_world} processes × "
+            f"{saved_per_rank}); {world} processes with data.batch_size={batch_size} cannot make that up in "
+            f"whole accumulation steps: " + (f"set data.batch_size to one of {fits[-4:]}" if fits else
+                                             f"resume with a number of processes that divides {global_batch}"))
+    return global_batch // (batch_size * world)

@@ -138,6 +138,9 @@ def marker_problem(meta: Any, step: int) -> str | None:
     world = meta.get("world_size", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         return f"world_size {world!r}"
+    per_rank = meta.get("samples_per_step", 1)
+    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
+        return f"samples_per_step {per_rank!r}"
     files = meta.get("files")
     if not isinstance(files, dict) or not all(
             isinstance(entry, dict) and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor
 
 from .files import fsync_file
-from .state import Parts, Position, world_size_mismatch
+from .state import Parts, Position, regroup
 from .store import CheckpointError
 
 TENSORS = "state"
@@ -84,12 +84,17 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
 
 def load(folder: Path, parts: Parts) -> Position:
     """Put checkpoint `folder` back into `parts` (every rank calls it); refuses what would not fit."""
-    for name in (TRAINER, f"{TENSORS}/.metadata", f"rng-rank{parts.rank}.safetensors"):
+    for name in (TRAINER, f"{TENSORS}/.metadata"):
         if not (folder / name).is_file():
             raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier "
                                   f"checkpoint")
     trainer = json.loads((folder / TRAINER).read_text())
     _check_geometry(folder, trainer, parts)
+    # On another number of processes rank r continues rank (r mod N)'s random streams (dropout): the
+    # run goes on from the same data position, but not bitwise as at the same world size.
+    rng = folder / f"rng-rank{parts.rank % trainer['world_size']}.safetensors"
+    if not rng.is_file():
+        raise CheckpointError(f"{rng} is missing; delete {folder} to resume from an earlier checkpoint")
     reader = SafeReader(folder / TENSORS)
     metadata = reader.read_metadata()
     _check_model(folder, metadata, parts.module)
@@ -130,7 +135,7 @@ def load(folder: Path, parts: Parts) -> Position:
     parts.scheduler.load_state_dict(trainer["scheduler"])
     if trainer["scaler"]:
         parts.scaler.load_state_dict(trainer["scaler"])
-    _load_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
+    _load_rng(rng, _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
                     unscheduled_skips=trainer.get("unscheduled_skips", 0))
 
@@ -145,13 +150,16 @@ def _one_process_is_intended():
 
 
 def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:
-    if trainer["world_size"] != parts.world_size:
-        raise CheckpointError(world_size_mismatch(folder.name, trainer["world_size"], parts.world_size))
-    if trainer["samples_per_step"] != parts.samples_per_step:
-        raise CheckpointError(
-            f"checkpoint {folder.name} took {trainer['samples_per_step']} samples per process per step and "
-            f"this run takes {parts.samples_per_step} (data.batch_size × training.grad_accum_steps); "
-            f"resume with the same values, or start a new run.dir")
+    """The same global batch per step. At another world size the trainer has already chosen the
+    accumulation that makes it up (`regroup`), or refused."""
+    saved_world, saved_per_rank = trainer["world_size"], trainer["samples_per_step"]
+    if saved_world == parts.world_size:
+        regroup(folder.name, saved_world, saved_per_rank, parts.world_size, parts.samples_per_step, 1, None)
+    elif saved_world * saved_per_rank != parts.world_size * parts.samples_per_step:
+        raise CheckpointError(f"checkpoint {folder.name} trained on global batches of "
+                              f"{saved_world * saved_per_rank} samples and this run takes "
+                              f"{parts.world_size * parts.samples_per_step}; resume with the same global batch "
+                              f"(processes × data.batch_size × training.grad_accum_steps), or start a new run.dir")
 
 
 def _check_model(folder: Path, metadata: Metadata, module: nn.Module) -> None:

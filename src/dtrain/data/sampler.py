@@ -63,13 +63,16 @@ class GlobalOrderSampler(ShardSampler):
 
     The epoch's permutation of all n samples is cut into global batches of batch_size × world_size;
     global batch k is the same set of samples however many processes train (at the same global batch
-    size), and rank r takes its contiguous slice of each. Samples left over after the last whole global
-    batch wait for another epoch's permutation: no padding, every rank the same number of batches."""
+    size), and rank r takes its contiguous slice of each. Samples left over after the last whole
+    optimizer step wait for another epoch's permutation: no padding, every rank the same number of
+    batches."""
 
-    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, seed: int = 0):
+    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, seed: int = 0, accum: int = 1):
         super().__init__(n, rank, world_size, seed=seed)
         self.batch_size = batch_size
-        self.global_batches = n // (batch_size * world_size)
+        # Whole optimizer steps (accum global batches each): an epoch then holds the same steps whatever
+        # the world size, when accumulation makes up for fewer processes.
+        self.global_batches = n // (batch_size * world_size * accum) * accum
         self.num_samples = self.global_batches * batch_size
         self.total_size = self.num_samples * world_size
 

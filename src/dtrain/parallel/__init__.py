@@ -7,6 +7,7 @@
 The trainer asks a strategy for the model to call, to skip gradient sync on accumulation
 micro-batches, to clip by the global norm and for the full weights at the end; checkpoints read the
 module's own state dict (DTensor shards under FSDP), which torch.distributed.checkpoint writes as is.
+Before any strategy, blocks.py checkpoints activations and compiles, block by block.
 """
 
 from __future__ import annotations
@@ -17,21 +18,22 @@ from ..config import Config
 from ..distributed import Session
 from ..errors import ConfigError
 from ..steptime import StepTimer
+from . import blocks
 from .base import Strategy
 
 
 def build(config: Config, session: Session, module: nn.Module, timer: StepTimer) -> Strategy:
     """Spread `module` (already on its device) as `distributed.strategy` says."""
-    name = config.distributed.strategy
-    if name in ("fsdp", "hsdp"):
-        problem = check_sharding(config, session.world_size, session.env.local_world_size)
-        if problem:
-            raise ConfigError(problem)
+    problem = check_sharding(config, session.world_size, session.env.local_world_size)
+    if problem:
+        raise ConfigError(problem)
+    units = blocks.prepare(module, config, session.device)  # activation checkpointing, compile
+    if session.world_size == 1:  # nothing to spread: every strategy is the module itself
+        return Strategy(module)
+    if config.distributed.strategy in ("fsdp", "hsdp"):
         from .fsdp import FSDP
 
-        return FSDP(module, session, config)
-    if session.world_size == 1:
-        return Strategy(module)
+        return FSDP(module, session, config, units)
     from .ddp import DDP
 
     return DDP(module, session, config.distributed, timer, breakdown=config.monitor.breakdown)

@@ -1,10 +1,8 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded.
 
-Each transformer block is its own unit, then the root: in the forward pass a unit's parameters are
-gathered just before it runs and freed after it (`distributed.reshard_after_forward`), and its
-gradients are reduce-scattered as backward leaves it. The units are the classes named by
-`distributed.fsdp_units`, else the model's own `_no_split_modules` (every Hugging Face model and the
-built-in GPT name their block class there), else the entries of the model's `nn.ModuleList`s.
+Each transformer block (blocks.py says which modules are blocks) is its own unit, then the root: in
+the forward pass a unit's parameters are gathered just before it runs and freed after it
+(`distributed.reshard_after_forward`), and its gradients are reduce-scattered as backward leaves it.
 
 `hsdp` shards within a group of `distributed.hsdp_shard_size` processes (default: one node) and
 replicates across the groups: a 2-D device mesh (replicate, shard).
@@ -28,11 +26,10 @@ class FSDP(Strategy):
     name = "fsdp"
     forward_is_collective = True
 
-    def __init__(self, module: nn.Module, session: Session, config: Config):
+    def __init__(self, module: nn.Module, session: Session, config: Config, units: list[nn.Module]):
         super().__init__(module)
         dc = config.distributed
         self.mesh = _mesh(session, dc.strategy, dc.hsdp_shard_size)
-        units = find_units(module, dc.fsdp_units)
         options = dict(mesh=self.mesh, reshard_after_forward=dc.reshard_after_forward,
                        mp_policy=_precision_policy(config.training.precision))
         if dc.fsdp_cpu_offload:
@@ -67,26 +64,6 @@ class FSDP(Strategy):
                 gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
             full[name] = gathered[same]
         return full if main else None
-
-
-def find_units(module: nn.Module, names: list[str]) -> list[nn.Module]:
-    """The sub-modules that become FSDP units, outermost first (never the root itself)."""
-    wanted = set(names or getattr(module, "_no_split_modules", None) or ())
-    if wanted:
-        units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
-        if not units and names:
-            classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
-            raise ConfigError(f"distributed.fsdp_units = {names} names no module of this model; its module "
-                              f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
-        if units:
-            return _outermost(units)
-    return [m for lists in module.modules() if isinstance(lists, nn.ModuleList) for m in lists
-            if any(True for _ in m.parameters())]
-
-
-def _outermost(units: list[nn.Module]) -> list[nn.Module]:
-    inside = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
-    return [unit for unit in units if id(unit) not in inside]
 
 
 def _mesh(session: Session, strategy: str, shard_size: int) -> DeviceMesh:
