@@ -79,9 +79,13 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
     ok(run_job(tmp_path, "training.epochs=1", "checkpoint.every_steps=5", nproc=1))
     first = train_lines(tmp_path)
     assert first[-1]["step"] == 25 and first[-1]["lr"] < 0.01  # cosine: the end of the schedule
-    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", nproc=1))
-    assert re.search(r"^the plan changed since that checkpoint \(steps 25 → 75\): the learning-rate schedule is "
-                     r"rebuilt for this config and continues at step 25$", extended.stderr, re.M), extended.stderr
+    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", "optimizer.momentum=0.5",
+                          nproc=1))
+    assert re.search(r"^the config changed since that checkpoint \(steps 25 → 75, optimizer.momentum 0.9 → 0.5\): "
+                     r"this run follows it from step 25, the learning-rate schedule rebuilt for its plan$",
+                     extended.stderr, re.M), extended.stderr
+    saved = json.loads((tmp_path / "checkpoints" / "step-75" / "trainer.json").read_text())
+    assert {group["momentum"] for group in saved["optimizer"]["param_groups"]} == {0.5}  # not the restored 0.9
     later = [m for m in train_lines(tmp_path) if m["step"] > 25]
     assert [m["step"] for m in later] == list(range(26, 76))
     assert later[0]["lr"] > 0.1  # cosine at 25 of 75 steps, not the old schedule's 0
@@ -90,6 +94,13 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
     refused(run_job(tmp_path, "training.epochs=1", nproc=1),
             "is at step 75 and this config plans 25 steps (training.epochs=1, training.max_steps=0); raise "
             "them to continue that run, or start a new run.dir")
+    # ... and so is what the checkpoint's state or position means nothing under.
+    for change, fragment in (("optimizer.name=adamw", "optimizer.name = 'sgd' there and 'adamw' here: its "
+                                                      "optimizer state does not carry over"),
+                             ("run.seed=7", "run.seed = 0 there and 7 here: the data order of the epoch in progress"),
+                             ("data.num_samples=600", "training samples = 400 there and 480 here")):
+        refused(run_job(tmp_path, "training.epochs=4", change, nproc=1), fragment)
+    assert [m["step"] for m in train_lines(tmp_path)][-1] == 75  # nothing trained, nothing lost
 
 
 def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):

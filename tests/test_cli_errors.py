@@ -116,19 +116,36 @@ def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
 
 
+def test_a_diverged_run_stops_in_one_line_instead_of_training_nans(tmp_path):
+    """optimizer.lr=1e30 is a number the config accepts; the loss is nan at the first log step, and the
+    run stops there on every rank (exit 2), writing neither a checkpoint nor weights of the broken state."""
+    result = dtrain("run", CFG, "optimizer.lr=1e30", "training.log_every=2", "checkpoint.every_steps=2",
+                    "--nproc", "2", f"run.dir={tmp_path / 'run'}")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error: ")]
+    assert result.returncode == 2 and errors == [
+        "dtrain: error: the training loss became nan by step 2: training diverged and goes no further; try "
+        "optimizer.lr=1e+29 or training.max_grad_norm=1.0: rerun with that change and run.overwrite=true to start "
+        "afresh"], result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model.safetensors").exists()
+
+
 def test_outputs_get_the_users_normal_file_mode(tmp_path):
     from helpers import ok
 
-    ok(dtrain("run", CFG, "training.epochs=1", f"run.dir={tmp_path / 'run'}", extra_env={}))
-    for name in ("config.toml", "metrics.jsonl", "model.safetensors"):
-        mode = (tmp_path / "run" / name).stat().st_mode & 0o777
-        assert mode == 0o666 & ~current_umask(), f"{name}: {oct(mode)}"
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Every file and folder dtrain writes (checkpoints, RNG states, the lock, events) gets 0666 / 0777
+    less the umask, like any program's; a umask of 002 (group-writable) shows a hard-coded 0644 or 0600."""
+    before = os.umask(0o002)
+    try:
+        ok(dtrain("run", CFG, "training.epochs=1", "checkpoint.every_steps=5", "--nproc", "2",
+                  f"run.dir={tmp_path / 'run'}"))
+    finally:
+        os.umask(before)
+    written = list((tmp_path / "run").rglob("*"))
+    assert {p.name for p in written} >= {"config.toml", "metrics.jsonl", "model.safetensors", ".lock", "trainer.json",
+                                         "rng-rank1.safetensors", "COMPLETE.json", ".metadata"}
+    for path in written:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o775 if path.is_dir() else 0o664), f"{path}: {oct(mode)}"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -68,6 +68,12 @@ def test_resolved_config_round_trips(tmp_path):
     ("optimizer.betas=[0.9]", "optimizer.betas = [0.9] must be two numbers"),
     ("epochs", "override 'epochs' is not key=value"),
     ("training=3", "names a section, not a key"),
+    ("optimizer.lr=1e39", "optimizer.lr = 1e+39 is beyond what a 32-bit float holds (about 3.4e38)"),
+    ("distributed.bucket_cap_mb=1e300", "distributed.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
+    ("distributed.timeout_s=1e30", "distributed.timeout_s must be <= 31536000; got 1e+30"),
+    ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
+    ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
+    ("training.compile=yes", "training.compile must be one of none, blocks, model; got 'yes'"),
 ])
 def test_bad_overrides_get_one_clear_line(override, message):
     with pytest.raises(ConfigError) as info:
@@ -75,6 +81,12 @@ def test_bad_overrides_get_one_clear_line(override, message):
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_compile_takes_true_and_false_for_its_usual_choices():
+    assert load_config(None, ["training.compile=true"]).training.compile == "blocks"
+    assert load_config(None, ["training.compile=false"]).training.compile == "none"
+    assert load_config(None, ["training.compile=model"]).training.compile == "model"
 
 
 def test_bad_files_name_the_file(tmp_path):

@@ -18,6 +18,7 @@ from dtrain.config import Config, all_keys, load_config
 from dtrain.data import mnist
 from dtrain.errors import DtrainError
 from dtrain.report import build_figures, load_records, summary
+from helpers import ROOT, dtrain as run_dtrain
 
 
 
@@ -45,6 +46,73 @@ def test_any_override_is_accepted_or_refused_in_one_line(key, value):
         assert "\n" not in str(exc) and str(exc)
         return
     Config.from_dict(config.to_dict())  # what was accepted also round-trips through config.toml
+
+
+def extremes() -> list[tuple[str, str]]:
+    """(key, value) for every numeric setting at the ends of what it accepts: its bounds, else the
+    largest 64-bit integer or 32-bit float."""
+    import dataclasses
+    import typing
+
+    from dtrain.config import SECTIONS
+
+    config, pairs = Config(), []
+    for section in SECTIONS:
+        hints = typing.get_type_hints(type(getattr(config, section)))
+        for f in dataclasses.fields(getattr(config, section)):
+            kind = hints[f.name]
+            if kind not in (int, float):
+                continue
+            lo, hi, above = (f.metadata.get(k) for k in ("min", "max", "above"))
+            top = hi if hi is not None else (2**63 - 1 if kind is int else 3.4e38)
+            bottom = lo if lo is not None else (above + (1 if kind is int else 1e-30) if above is not None else None)
+            pairs += [(f"{section}.{f.name}", repr(kind(v))) for v in (top, bottom) if v is not None]
+    return pairs
+
+
+# Keys whose largest values are real work rather than a wrong answer (a model of 2^20 hidden units, the
+# synthetic set's 2^31 samples): the launcher's size checks and the out-of-memory advice cover them.
+_HEAVY = {"model.hidden_size", "data.num_samples", "data.block_size"}
+
+
+@pytest.mark.parametrize("pair", [p for p in extremes() if p[0] not in _HEAVY], ids="=".join)
+def test_every_value_the_config_accepts_trains_or_is_refused_in_one_line(tmp_path_factory, pair):
+    """What validation lets through must be usable: a real step of training with the key at either end
+    of its accepted range either runs or ends in one line — never a traceback, never nan in silence."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    key, value = pair
+    run_dir = tmp_path_factory.mktemp("extreme")
+    try:
+        config = load_config(None, [f"run.dir={run_dir}", "training.epochs=1", "training.max_steps=2",
+                                    "data.batch_size=8", "monitor.trackers=[]", "monitor.flops=no",
+                                    "data.name=synthetic", f"{key}={value}"])
+        torch.manual_seed(0)
+        x = torch.randn(40, 4)
+        dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=TensorDataset(x, (x[:, 0] > 0).long()),
+                       eval_data=TensorDataset(x[:8], (x[:8, 0] > 0).long())).fit()
+    except DtrainError as exc:
+        assert "\n" not in str(exc) and str(exc)
+
+
+@fuzz(12)
+@given(key=st.sampled_from(all_keys()), value=toml_ish)
+def test_the_command_line_answers_any_override_with_success_or_one_line_and_exit_2(tmp_path_factory, key, value):
+    """The whole path a user takes — `dtrain run` with one random override on a tiny job — ends with
+    exit 0, or exit 2 and one line; never a traceback, and nothing outside run.dir changes."""
+    home = tmp_path_factory.mktemp("cli")
+    (home / "notes.txt").write_text("mine")
+    before = tree(home)
+    result = run_dtrain("run", str(ROOT / "examples" / "digits_mlp.toml"), "training.epochs=1", "training.max_steps=3",
+                    "monitor.trackers=[]", "monitor.flops=no", f"{key}={value}", "run.dir=run", cwd=home)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    if result.returncode != 0:
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    after = tree(home)
+    changed = {n for n in before.keys() | after.keys() if before.get(n, 0) != after.get(n, 0)}
+    assert all(n == "run" or n.startswith("run/") for n in changed), changed
 
 
 def tree(folder):

@@ -107,6 +107,13 @@ def test_launch_flags_launch_even_where_rank_variables_are_set(reference, tmp_pa
     ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 is impossible"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
      "LOCAL_RANK=3 with LOCAL_WORLD_SIZE=2 and WORLD_SIZE=2 is impossible"),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+     "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible"),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"},
+     "SLURM_PROCID=5 with SLURM_NTASKS=2 is impossible"),
+    ({"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
+     "environment variable WORLD_SIZE=99999999999999999999999 is beyond any job's numbers"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port (1-65535)"),
 ])
 def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, message):
     result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", extra_env=variables, timeout=60)
@@ -114,6 +121,32 @@ def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, messa
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("dtrain: error: ") and message in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
+def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(tmp_path, address):
+    """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store, says so once, and after
+    distributed.timeout_s gives up in one line: no C++ warnings, nothing written."""
+    port = free_port()
+    result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", "distributed.timeout_s=3",
+                    "distributed.hang_timeout_s=0",
+                    extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert lines[0] == f"dtrain: waiting for the rendezvous at {address}:{port} (rank 0 serves it) ..."
+    assert lines[1].startswith(f"dtrain: error: nothing answered at {address}:{port} for 3 s (")
+    assert lines[1].endswith("(MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_node_whose_peers_never_come_gives_up_in_one_line(tmp_path):
+    """The first node of --nnodes 2 serves the rendezvous; nobody joins within --rdzv-timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = dtrain("run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout",
+                    "3", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
+        f"dtrain: error: not enough nodes joined the rendezvous at {endpoint} within 3 s (--nnodes 2): start the "
+        f"job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout"], result.stderr
 
 
 def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):

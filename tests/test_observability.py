@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import shutil
 import struct
 import time
 
@@ -128,10 +129,16 @@ def test_doctor_reports_the_environment_and_what_looks_wrong():
     broken = dtrain("doctor", extra_env={"GLOO_SOCKET_IFNAME": "nosuchif0", "RANK": "3", "WORLD_SIZE": "2"})
     assert broken.returncode == 1
     assert "GLOO_SOCKET_IFNAME=nosuchif0 names no interface here (nosuchif0)" in broken.stdout
-    assert "RANK=3 is not below WORLD_SIZE=2" in broken.stdout
+    assert "RANK=3 with WORLD_SIZE=2 is impossible" in broken.stdout
     assert "RANK=3  — this process's global rank" in broken.stdout
     malformed = dtrain("doctor", extra_env={"RANK": "x", "WORLD_SIZE": "2"})
-    assert malformed.returncode == 1 and "RANK='x' is not a whole number" in malformed.stdout
+    assert malformed.returncode == 1 and "environment variable RANK='x' is not an integer" in malformed.stdout
+    for variables, problem in (({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+                                "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible"),
+                               ({"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
+                                "WORLD_SIZE=99999999999999999999999 is beyond any job's numbers")):
+        found = dtrain("doctor", extra_env=variables)
+        assert found.returncode == 1 and problem in found.stdout, found.stdout
 
 
 def test_doctor_measures_a_real_all_reduce_across_the_group():
@@ -172,12 +179,21 @@ def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
     assert [list(line.get_ydata()) for line in ranks] == [[r["rank_busy_ms"][k] for r in train] for k in range(2)]
     stacked = figures["step_time"].axes[0].collections  # data, compute, comm, optimizer
     assert len(stacked) == 4
+    measured = [r for r in train if "param_bytes" in r]  # what each rank holds, once
+    assert len(measured) == 1 and len(measured[0]["param_bytes"]) == 2
+    held = measured[0]
+    assert held["param_bytes"][0] == held["param_bytes"][1] > 0  # DDP: a whole replica on each rank
+    assert held["grad_bytes"] == held["param_bytes"] == held["optimizer_bytes"]  # SGD: one momentum buffer each
+    assert all(peak > params for peak, params in zip(held["peak_bytes"], held["param_bytes"]))
+    bars = figures["memory"].axes[0].patches  # parameters of rank 0 and 1 first
+    assert [b.get_height() for b in bars[:2]] == pytest.approx([b / 2**20 for b in held["param_bytes"]])
 
     out = write_report(run_dir)
-    for name in ("loss", "throughput", "step_time", "ranks"):
+    for name in ("loss", "throughput", "step_time", "ranks", "memory"):
         assert png_size(out / f"{name}.png")[0] > 200
     summary = (out / "summary.txt").read_text()
     assert "stragglers seen: rank 1 on" in summary and "communication share:" in summary
+    assert "memory per rank (the most any of 2 holds): parameters " in summary
 
     # Different data, different pictures.
     other = tmp_path / "other"
@@ -192,6 +208,24 @@ def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
 def test_report_from_the_command_line(slow_rank_run):
     run_dir, _ = slow_rank_run
     result = ok(dtrain("report", str(run_dir)))
-    assert "final training loss" in result.stdout and "plots: loss.png, ranks.png" in result.stdout
+    assert "final training loss" in result.stdout and "plots: loss.png, memory.png, ranks.png" in result.stdout
     missing = dtrain("report", str(run_dir / "nope"))
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_path, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(slow_rank_run[0] / "metrics.jsonl", run_dir)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "file":
+        (run_dir / "report").write_text("my notes")
+    else:
+        (run_dir / "report").symlink_to(elsewhere)
+    result = dtrain("report", str(run_dir))
+    assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
+        f"dtrain: error: {run_dir / 'report'} is where dtrain writes its report, and it is not a folder "
+        f"(a {kind} of yours?); move it and run dtrain report again"], result.stderr
+    assert not any(elsewhere.iterdir()) and (kind == "link" or (run_dir / "report").read_text() == "my notes")

@@ -98,18 +98,23 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path
 
 
 @pytest.mark.parametrize("stranger, message", [
-    ("checkpoints/bert.pt", "checkpoints is where dtrain writes its checkpoints, and it is it holds bert.pt"),
+    ("checkpoints/bert.pt", "checkpoints is where dtrain writes its checkpoints, and it holds bert.pt"),
     ("tensorboard", "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a file of yours?)"),
     ("metrics.jsonl/data.txt", "metrics.jsonl is where dtrain writes its metrics.jsonl, and it is not a file"),
     ("model.safetensors", "model.safetensors is where dtrain writes its model.safetensors, and it is weights dtrain "
                           "did not write"),
+    ("link:tensorboard", "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a link of "
+                         "yours?)"),
 ])
 def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path, stranger, message):
     """run.overwrite and run.allow_other_files never make dtrain delete or write into what it did not
     write, even at one of its own names."""
-    path = tmp_path / stranger
+    path = tmp_path / stranger.removeprefix("link:")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if stranger == "model.safetensors":
+    if stranger.startswith("link:"):
+        (tmp_path / "mine").mkdir()
+        path.symlink_to(tmp_path / "mine")
+    elif stranger == "model.safetensors":
         from safetensors.torch import save_file
         import torch
 

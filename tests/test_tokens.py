@@ -306,3 +306,14 @@ def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
                                           "meta.json\\)") as refused:
         TokenWindows(folder, "train", 32).take(torch.arange(40))
     assert "\n" not in str(refused.value)
+    # Through the CLI: found by the workers in the first batch, said once, and nothing left half-written,
+    # so the rerun on repaired data starts as the first would.
+    run_dir = tmp_path / "run"
+    args = ["run", *GPT, "training.max_steps=2", f"data.path={folder}", "--nproc", "2", f"run.dir={run_dir}"]
+    failed = dtrain(*args)
+    assert failed.returncode == 2 and [line for line in failed.stderr.splitlines() if line.strip()] == [
+        f"dtrain: error: {str(refused.value)}"], failed.stderr
+    assert [p.name for p in run_dir.iterdir()] == [".lock"]
+    shutil.copy(prepared / "train-00000.bin", folder / "train-00000.bin")
+    ok(dtrain(*args))
+    assert [m["step"] for m in train_lines(run_dir)] == [1, 2]

@@ -78,14 +78,18 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
     config = load_config(args.config, overrides)
-    from .distributed import in_worker_environment
+    from .distributed import detect_env, in_worker_environment
     from .job import preflight, worker_main
-    from .launch import launch
+    from .launch import launch, wait_for_rank0
 
     # Inside torchrun: a worker. RANK/WORLD_SIZE (or srun's, mpirun's variables) without launch flags:
     # a worker started by something else. With launch flags dtrain launches, whatever the environment
     # says (a Kubernetes PyTorchJob pod sets RANK and WORLD_SIZE for the pod; torchrun sets the workers').
-    if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return worker_main(config)
+    if in_worker_environment() and not _explicit_launch(args):
+        if config.distributed.init_method == "env://":
+            wait_for_rank0(detect_env(), config.distributed.timeout_s)
         return worker_main(config)
 
     spec = _spec(args)

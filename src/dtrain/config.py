@@ -39,6 +39,10 @@ def setting(default: Any, help: str, *, min: float | None = None, max: float | N
     return field(default=default, metadata=meta)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+_A_YEAR = 365 * 24 * 3600  # seconds: no wait a job sets needs more, and clocks overflow far beyond
+
+
 @dataclass
 class RunConfig:
     dir: str = setting("runs/dtrain", "Where the run writes config.toml, metrics.jsonl, TensorBoard "
@@ -71,11 +75,12 @@ class DistributedConfig:
     init_method: str = setting("env://", "env:// (torchrun, SLURM, Open MPI set it up), "
                                "tcp://host:port or file:///shared/path.")
     timeout_s: float = setting(1800.0, "Seconds a collective may wait before the backend gives up.",
-                               above=0)
+                               above=0, max=_A_YEAR)
     hang_timeout_s: float = setting(300.0, "Seconds without any rank finishing a step before every rank "
                                     "writes its Python stacks to run.dir/diagnostics and the job ends "
-                                    "naming the ranks behind (0: off). Keep it below timeout_s.", min=0)
-    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", above=0)
+                                    "naming the ranks behind (0: off). Keep it below timeout_s.", min=0,
+                                    max=_A_YEAR)
+    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", above=0, max=2**20)
     gradient_as_bucket_view: bool = setting(True, "Let gradients alias DDP's buckets (saves a copy "
                                             "and memory).")
     static_graph: bool = setting(False, "Tell DDP the graph is the same every step (enables "
@@ -119,11 +124,11 @@ class DataConfig:
     num_classes: int = setting(10, "Classes of the synthetic data set (and of factory data sets "
                                "that cannot say).", min=2)
     on_device: bool = setting(True, "Hold tensor data sets on the GPU and gather batches there.")
-    num_workers: int = setting(0, "DataLoader worker processes (map-style data sets only).", min=0)
+    num_workers: int = setting(0, "DataLoader worker processes (map-style data sets only).", min=0, max=1024)
     pin_memory: bool = setting(True, "Pin host batches for faster copies to the GPU "
                                "(DataLoader, CUDA only).")
     persistent_workers: bool = setting(True, "Keep DataLoader workers alive between epochs.")
-    prefetch_factor: int = setting(2, "Batches each DataLoader worker loads ahead.", min=1)
+    prefetch_factor: int = setting(2, "Batches each DataLoader worker loads ahead.", min=1, max=2**16)
 
 
 @dataclass
@@ -210,7 +215,8 @@ class CheckpointConfig:
         "auto", "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
         "must (what --resume sets); no: start fresh, refusing a run.dir that holds checkpoints.")
     preempt_grace_s: float = setting(120.0, "Seconds workers get after SIGTERM to finish the step and "
-                                     "write their checkpoint before torchrun kills them.", above=0)
+                                     "write their checkpoint before torchrun kills them.", above=0,
+                                     max=_A_YEAR)
 
 
 @dataclass
@@ -439,9 +445,14 @@ def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text:
         return value
     if type_ is str:
         if raw_text is not None:  # from the command line: keep exactly what was typed
-            return raw_text.strip()
+            value = raw_text.strip()
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string; got {_describe(value)}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # bytes from the command line that are not UTF-8 (surrogate escapes)
+            raise ConfigError(f"{key} = {ascii(value)} holds bytes that are not UTF-8 text; config.toml and "
+                              f"the logs are UTF-8: use UTF-8 names") from None
         return value
     if type_ is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -454,6 +465,9 @@ def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text:
         value = float(value)
         if not math.isfinite(value):  # TOML has nan and inf literals; nothing here can use them
             raise ConfigError(f"{key} must be a finite number; got {value}")
+        if abs(value) > _FLOAT32_MAX:  # learning rates and the like end up in float32 tensors
+            raise ConfigError(f"{key} = {value:g} is beyond what a 32-bit float holds (about 3.4e38); use a "
+                              f"smaller value")
     _check_bounds(key, value, meta)
     return value
 

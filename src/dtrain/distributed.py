@@ -101,13 +101,14 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(environ, "MASTER_PORT", 29500),
             launcher="torchrun",
-        ), "RANK", "WORLD_SIZE", check_local="LOCAL_WORLD_SIZE" in environ)
+        ), "RANK", "WORLD_SIZE", local_names=("LOCAL_RANK", "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
+            else None)
     # `srun` sets SLURM_STEP_ID for each task it starts; a batch script or salloc shell does not, so
     # a plain `dtrain run` there launches torchrun instead of waiting for peers that never come.
     if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS", 1) > 1:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         job_id = _int(environ, "SLURM_JOB_ID", 0)
-        return DistEnv(
+        return _possible(DistEnv(
             rank=_int(environ, "SLURM_PROCID"),
             world_size=_int(environ, "SLURM_NTASKS"),
             local_rank=_int(environ, "SLURM_LOCALID", 0),
@@ -116,7 +117,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             # A port derived from the job id lets two jobs share a node without colliding.
             master_port=_int(environ, "MASTER_PORT", 15000 + job_id % 20000),
             launcher="slurm",
-        )
+        ), "SLURM_PROCID", "SLURM_NTASKS", local_names=("SLURM_LOCALID", "the node's task count"))
     if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
         world = _int(environ, "OMPI_COMM_WORLD_SIZE")
         local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
@@ -124,7 +125,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             raise EnvironmentProblem(
                 "mpirun across nodes needs MASTER_ADDR (rank 0's host): add "
                 "`-x MASTER_ADDR=<host> -x MASTER_PORT=<port>` to the mpirun command")
-        return DistEnv(
+        return _possible(DistEnv(
             rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
             world_size=world,
             local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
@@ -132,20 +133,25 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(environ, "MASTER_PORT", 29500),
             launcher="mpi",
-        )
+        ), "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+            local_names=("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
     return DistEnv()
 
 
-def _possible(env: DistEnv, rank_name: str, world_name: str, check_local: bool) -> DistEnv:
+def _possible(env: DistEnv, rank_name: str, world_name: str,
+              local_names: tuple[str, str] | None = None) -> DistEnv:
     """Refuse at once a place no group can have (it would otherwise wait for peers that never come
     until distributed.timeout_s)."""
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
         raise EnvironmentProblem(f"{rank_name}={env.rank} with {world_name}={env.world_size} is impossible: a rank "
                                  f"is 0..{world_name}-1; check what sets them (the launcher, the pod spec)")
-    if check_local and (not 0 <= env.local_rank < max(env.local_world_size, 1)
+    if local_names and (not 0 <= env.local_rank < max(env.local_world_size, 1)
                         or env.local_world_size > env.world_size):
-        raise EnvironmentProblem(f"LOCAL_RANK={env.local_rank} with LOCAL_WORLD_SIZE={env.local_world_size} and "
+        local_rank, local_world = local_names
+        raise EnvironmentProblem(f"{local_rank}={env.local_rank} with {local_world}={env.local_world_size} and "
                                  f"{world_name}={env.world_size} is impossible; check what sets them")
+    if not 0 < env.master_port < 65536:
+        raise EnvironmentProblem(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     return env
 
 
@@ -179,9 +185,13 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
             raise EnvironmentProblem(f"environment variable {name} is not set")
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise EnvironmentProblem(f"environment variable {name}={value!r} is not an integer") from None
+    if not -(2**31) <= number < 2**31:  # ranks, sizes, ports and job ids all fit; torch's store takes int32
+        raise EnvironmentProblem(f"environment variable {name}={value} is beyond any job's numbers; check what "
+                                 f"sets it")
+    return number
 
 
 # --- backend and device ---------------------------------------------------------------------------

@@ -102,6 +102,9 @@ def environment_report() -> tuple[list[str], list[str]]:
 def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bool]) -> list[str]:
     import torch
 
+    from .distributed import detect_env
+    from .errors import EnvironmentProblem
+
     env, problems = os.environ, []
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if var in env:
@@ -113,15 +116,14 @@ def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bo
                 problems.append(f"{var}={env[var]} names no interface here ({', '.join(missing)}); this machine "
                                 f"has {', '.join(interfaces)}")
     if "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit() and 0 < int(env["MASTER_PORT"]) < 65536):
-        problems.append(f"MASTER_PORT={env['MASTER_PORT']} is not a port number (1-65535)")
+        problems.append(f"MASTER_PORT={env['MASTER_PORT']} is not a TCP port (1-65535)")
     if ("RANK" in env) != ("WORLD_SIZE" in env):
         problems.append("only one of RANK and WORLD_SIZE is set: a worker needs both (or neither)")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        if name in env and not env[name].isdigit():
-            problems.append(f"{name}={env[name]!r} is not a whole number: a worker would refuse to start")
-    if "RANK" in env and "WORLD_SIZE" in env and env["RANK"].isdigit() and env["WORLD_SIZE"].isdigit():
-        if int(env["RANK"]) >= int(env["WORLD_SIZE"]):
-            problems.append(f"RANK={env['RANK']} is not below WORLD_SIZE={env['WORLD_SIZE']}")
+    try:  # what a worker started here would refuse: the launcher's own reading of these variables
+        detect_env(env)
+    except EnvironmentProblem as exc:
+        if not str(exc).startswith("MASTER_PORT"):  # said above
+            problems.append(f"{exc}: a worker would refuse to start")
     if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > cores:
         problems.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} exceeds the {cores} core(s) this process "
                         f"may use: processes will fight over cores")

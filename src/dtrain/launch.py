@@ -88,21 +88,24 @@ def torchrun_args(spec: LaunchSpec, entry: list[str], local_addr: str | None = N
 
 
 class _Wait:
-    """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line."""
+    """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line. `server`
+    is who serves the endpoint; `knobs` what sets the address and the wait."""
 
-    def __init__(self, endpoint: str, timeout: float):
-        self.endpoint, self.timeout = endpoint, timeout
+    def __init__(self, endpoint: str, timeout: float, server: str = "the first node",
+                 knobs: str = "--rdzv-timeout sets the wait"):
+        self.endpoint, self.timeout, self.server, self.knobs = endpoint, timeout, server, knobs
         self.deadline = time.monotonic() + timeout
         self._said = False
 
     def again(self, reason: str) -> None:
         """Say so (the first time) and sleep a little; or give up, past the deadline."""
         if time.monotonic() >= self.deadline:
+            start = "the job on the node" if self.server == "the first node" else self.server
             raise EnvironmentProblem(f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
-                                     f"the job on the node at that address, or check the address, the port and "
-                                     f"the firewall (--rdzv-timeout sets the wait)")
+                                     f"{start} at that address, or check the address, the port and the firewall "
+                                     f"({self.knobs})")
         if not self._said:
-            print(f"dtrain: waiting for the rendezvous at {self.endpoint} (the first node serves it) ...",
+            print(f"dtrain: waiting for the rendezvous at {self.endpoint} ({self.server} serves it) ...",
                   file=sys.stderr, flush=True)
             self._said = True
         time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
@@ -146,11 +149,19 @@ def wait_for_endpoint(wait: _Wait) -> None:
             wait.again(exc.strerror or type(exc).__name__)
 
 
+def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
+    """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
+    waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
+    if env.world_size > 1 and env.rank != 0:
+        wait_for_endpoint(_Wait(f"{env.master_addr}:{env.master_port}", timeout, server="rank 0",
+                                knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait"))
+
+
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
     """Run `entry` in `spec.nproc` workers per node under torchrun; the job's exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
     spec.validate()
@@ -180,6 +191,11 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     except SignalException as exc:
         # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
         return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+    except RendezvousTimeoutError:
+        print(f"dtrain: error: not enough nodes joined the rendezvous at {spec.rdzv_endpoint} within "
+              f"{spec.rdzv_timeout:g} s (--nnodes {spec.nnodes}): start the job on the other nodes with the same "
+              f"--rdzv-endpoint, or raise --rdzv-timeout", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except RendezvousError as exc:
         print(f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
               f"that --rdzv-endpoint is reachable from every node and --nnodes matches",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DtrainError
+from .rundir import OUTPUTS, yours
 from .memory import FIELDS as memory_fields
 from .memory import describe
 
@@ -28,7 +29,8 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
     edited, of another program) or a field of the wrong kind is left out, never trusted."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise DtrainError(f"{path} does not exist; pass a run.dir that a dtrain run wrote to")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise DtrainError(f"{path} {what}; pass a run.dir that a dtrain run wrote to")
     try:
         text = path.read_text(errors="replace")
     except OSError as exc:
@@ -197,6 +199,10 @@ def write_report(run_dir: Path) -> Path:
 
     records = load_records(run_dir)
     out = Path(run_dir) / "report"
+    problem = OUTPUTS["report"](out) if out.exists() or out.is_symlink() else None
+    if problem:
+        raise DtrainError(f"{out} is where dtrain writes its report, and it {problem} ({yours(out)}); move it "
+                          f"and run dtrain report again")
     out.mkdir(parents=True, exist_ok=True)
     for name, fig in build_figures(records).items():
         fig.tight_layout()

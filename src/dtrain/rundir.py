@@ -31,27 +31,27 @@ CONFIG_HEADER = "# The resolved config of this run, written by dtrain. Rerun wit
 def _entries(path: Path, pattern: str) -> str | None:
     """None when `path` is a folder whose entries all match `pattern`; else what is wrong."""
     if path.is_symlink() or not path.is_dir():
-        return "not a folder"
+        return "is not a folder"
     strangers = sorted(p.name for p in path.iterdir() if not re.fullmatch(pattern, p.name))
-    return f"it holds {', '.join(strangers[:3])}" if strangers else None
+    return f"holds {', '.join(strangers[:3])}" if strangers else None
 
 
 def _metrics_file(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
-        return "not a file"
+        return "is not a file"
     try:
         with open(path, encoding="utf-8") as fh:
             first = fh.readline()
         if first and "step" not in json.loads(first):
-            return "not metrics dtrain wrote"
+            return "is not metrics dtrain wrote"
     except (OSError, UnicodeDecodeError, ValueError, TypeError):
-        return "not metrics dtrain wrote"
+        return "is not metrics dtrain wrote"
     return None
 
 
 def _weights_file(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
-        return "not a file"
+        return "is not a file"
     try:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
@@ -59,17 +59,17 @@ def _weights_file(path: Path) -> str | None:
     except (OSError, ValueError):
         header = {}
     meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return None if isinstance(meta, dict) and meta.get("written_by") == "dtrain" else "weights dtrain did not write"
+    return None if isinstance(meta, dict) and meta.get("written_by") == "dtrain" else "is weights dtrain did not write"
 
 
 def _config_file(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file() or not _written_by_dtrain(path):
-        return "not a config dtrain wrote"
+        return "is not a config dtrain wrote"
     return None
 
 
 def _lock_file(path: Path) -> str | None:
-    return "not dtrain's lock file" if path.is_symlink() or not path.is_file() else None
+    return "is not dtrain's lock file" if path.is_symlink() or not path.is_file() else None
 
 
 # Every name dtrain writes at the top of run.dir, and how it recognises its own (None: it is dtrain's).
@@ -84,8 +84,8 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "profile": lambda p: _entries(p, r"rank-\d+\..+"),
     "report": lambda p: _entries(p, r"[\w-]+\.png|summary\.txt"),
     "tokenizer": lambda p: _entries(p, r"meta\.json|tokenizer\.json"),  # token data: what `generate` decodes with
-    "mlruns": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
-    "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "not a folder",
+    "mlruns": lambda p: None if p.is_dir() and not p.is_symlink() else "is not a folder",
+    "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "is not a folder",
 }
 KEPT = ("config.toml", "tokenizer", LOCK)  # rewritten by every run, never "an earlier run's output"
 
@@ -101,6 +101,13 @@ def later_attempt(environ: Mapping[str, str] = os.environ) -> bool:
                for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
+def yours(path: Path) -> str:
+    """What a thing dtrain did not write probably is, for a refusal."""
+    if path.is_symlink():
+        return "a link of yours?"
+    return "a file of yours?" if path.is_file() else "a folder of yours?"
+
+
 def check_contents(run_dir: Path, allow_other_files: bool) -> None:
     """Refuse a run.dir holding, at one of dtrain's names, something dtrain did not write (always), or
     files of other programs (unless `allow_other_files`)."""
@@ -112,9 +119,8 @@ def check_contents(run_dir: Path, allow_other_files: bool) -> None:
         check = OUTPUTS.get(name, _lock_file if name == LOCK else None)
         problem = check(path) if check else None
         if problem:
-            what = "a file of yours?" if path.is_file() else "a folder of yours?"
-            raise DtrainError(f"run.dir {run_dir}: {name} is where dtrain writes its {name}, and it is {problem} "
-                              f"({what}); move it, or choose another run.dir")
+            raise DtrainError(f"run.dir {run_dir}: {name} is where dtrain writes its {name}, and it {problem} "
+                              f"({yours(path)}); move it, or choose another run.dir")
     others = [n for n in names if n not in OUTPUTS and n != LOCK and not _temporary(n)]
     if others and not allow_other_files:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")

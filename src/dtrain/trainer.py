@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -86,9 +87,11 @@ class Trainer:
         self.session = distributed.start(self.config.distributed, debug=self.config.monitor.debug,
                                          diagnostics_dir=self.run_dir / "diagnostics")
         self._lock = RunDirLock(self.run_dir)
+        self._fresh = False
         try:
             self._build()
         except BaseException as exc:
+            self._forget_a_run_that_trained_nothing()
             self._lock.release(remove_if_created=True)
             distributed.stop(self.session)
             if _out_of_memory(exc):
@@ -137,8 +140,11 @@ class Trainer:
         self._take_run_dir()
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, Parts(
             self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank,
-            session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps))
+            session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps,
+            identity={"optimizer.name": cfg.optimizer.name, "run.seed": cfg.run.seed, "data.name": cfg.data.name,
+                      "training samples": len(self.train_data)}))
         resume_from = self.checkpointer.find_resume_point()
+        self._fresh = resume_from is None  # what run.dir holds from here on is this run's own
         replanned = None
         if resume_from is not None:
             if resume_from.step > self.total_steps:
@@ -146,10 +152,12 @@ class Trainer:
                                   f"{self.total_steps} steps (training.epochs={cfg.training.epochs}, "
                                   f"training.max_steps={cfg.training.max_steps}); raise them to continue "
                                   f"that run, or start a new run.dir")
+            wanted = _hyperparameters(self.optimizer)  # the config's, before the checkpoint's replace them
             position = self.checkpointer.restore(resume_from)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-            replanned = self._follow_the_configs_plan()
+            replanned = ", ".join(filter(None, (self._follow_the_configs_plan(),
+                                                self._follow_the_configs_optimizer(wanted))))
         self._lr = self.optimizer.param_groups[0]["lr"]
 
         continuing = resume_from is not None and self.step < self.total_steps
@@ -171,8 +179,8 @@ class Trainer:
         if self._regrouped and continuing:
             self.monitor.info(self._regrouped)
         if replanned and continuing:
-            self.monitor.info(f"the plan changed since that checkpoint ({replanned}): the learning-rate "
-                              f"schedule is rebuilt for this config and continues at step {self.step}")
+            self.monitor.info(f"the config changed since that checkpoint ({replanned}): this run follows it from "
+                              f"step {self.step}, the learning-rate schedule rebuilt for its plan")
         self.timer.progress.step = self.step
         self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
                                session.world_size, self.run_dir)
@@ -251,6 +259,17 @@ class Trainer:
         error = distributed.first_error(error)
         if error:
             raise DtrainError(error)
+
+    def _forget_a_run_that_trained_nothing(self) -> None:
+        """A new run that fails before its first step (bad data found in the first batch, a model that
+        does not fit) leaves nothing half-written: rank 0 removes what it wrote to run.dir, so the
+        rerun with the problem fixed starts as the first would."""
+        if not (self._fresh and self.step == 0 and self.session.is_main):
+            return
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.close()
+        rundir.remove([self.run_dir / name for name in rundir.OUTPUTS
+                       if name != "checkpoints" and (self.run_dir / name).exists()])
 
     def _planned_steps(self) -> int:
         steps = self.config.training.epochs * self.train_batches.steps_per_epoch
@@ -335,6 +354,8 @@ class Trainer:
             self.profiler.close()
             stop.uninstall()
             self.monitor.close()
+            if not together:
+                self._forget_a_run_that_trained_nothing()
             self._lock.release()
             distributed.stop(self.session, together)
         return last
@@ -514,7 +535,26 @@ class Trainer:
         self.monitor.log(record)
         if "param_bytes" in record:
             self.monitor.info(memory.describe(record, memory.peak_bytes(self.session.device)[1]))
+        if not math.isfinite(record["loss"]):  # every rank has the same record: all stop here together
+            raise DtrainError(self._diverged(record["loss"]))
+        self._finite_until = self.step
         return record, stop
+
+    def _diverged(self, loss: float) -> str:
+        cfg = self.config
+        levers = [f"optimizer.lr={cfg.optimizer.lr / 10:g}"]
+        if cfg.training.max_grad_norm <= 0:
+            levers.append("training.max_grad_norm=1.0")
+        if cfg.training.precision == "fp16":
+            levers.append("training.precision=bf16")
+        last = self.checkpointer.store.newest()
+        if last is not None and last.step <= getattr(self, "_finite_until", 0):
+            again = (f"rerun with that change to resume from {last.path} (step {last.step}, logged with a finite "
+                     f"loss), or add run.overwrite=true to start afresh")
+        else:
+            again = "rerun with that change and run.overwrite=true to start afresh"
+        return (f"the training loss became {loss} by step {self.step}: training diverged and goes no further; try "
+                f"{' or '.join(levers)}: {again}")
 
     def _unschedule(self, skipped: int) -> None:
         """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
@@ -522,6 +562,16 @@ class Trainer:
         does it at the same log step, with the same count."""
         self.scheduler.last_epoch -= skipped + 1
         self.scheduler.step()  # recomputes every group's lr at the corrected position
+
+    def _follow_the_configs_optimizer(self, wanted: dict[str, Any]) -> str | None:
+        """The config's optimizer settings (momentum, weight decay, betas, …) over the checkpoint's, which
+        loading its state brought back. What changed, or None."""
+        restored = _hyperparameters(self.optimizer)
+        changes = [f"optimizer.{key} {_plain(restored[key])} → {_plain(value)}"
+                   for key, value in wanted.items() if _plain(restored.get(key)) != _plain(value)]
+        for group in self.optimizer.param_groups:
+            group.update(wanted)
+        return ", ".join(changes) or None
 
     def _follow_the_configs_plan(self) -> str | None:
         """On resume the config governs, as in Lightning and torchtitan: a changed length
@@ -599,3 +649,17 @@ def _has_blocks(module: nn.Module, config: Config) -> bool:
         return bool(parallel.blocks.find_blocks(module, config.distributed.fsdp_units))
     except DtrainError:
         return False
+
+
+# The optimizer settings a config sets besides the learning rate (which the schedule owns).
+_HYPERPARAMETERS = ("momentum", "nesterov", "weight_decay", "betas", "eps")
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    group = optimizer.param_groups[0]
+    return {key: group[key] for key in _HYPERPARAMETERS if key in group}
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the config writes it (a checkpoint's JSON makes betas a list)."""
+    return list(value) if isinstance(value, tuple) else value

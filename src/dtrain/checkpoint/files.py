@@ -51,7 +51,7 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
         write(tmp)
         # mkstemp makes the file 0600 (and a writer may recreate it): what dtrain writes gets the
         # user's normal mode, 0666 less the umask, like any file a program creates.
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, user_file_mode())
         fsync_file(Path(tmp))
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -135,7 +135,7 @@ class RunDirLock:
         self._created_file = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:  # never through a symlink: the lock's content would land in whatever file it points to
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # less the umask
         except OSError as exc:
             raise DtrainError(f"{self.path} cannot be used as the run's lock ({exc.strerror}: a symlink or not "
                               f"a file?); move it, or choose another run.dir") from None
@@ -187,7 +187,8 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-def _umask() -> int:
+def user_file_mode(folder: bool = False) -> int:
+    """The mode a program's new file (0666) or folder (0777) gets under the user's umask."""
     mask = os.umask(0)  # the only way to read it is to set it: set it straight back
     os.umask(mask)
-    return mask
+    return (0o777 if folder else 0o666) & ~mask

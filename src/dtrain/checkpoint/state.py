@@ -6,7 +6,8 @@ checkpoint is actually written or read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,28 @@ class Parts:
     rank: int
     world_size: int
     samples_per_step: int  # per rank: data.batch_size × training.grad_accum_steps
+    # What a resume must not change, by config key (optimizer.name, run.seed, the data): the state or
+    # the position in the checkpoint means nothing under another. Compared on load.
+    identity: dict[str, Any] = field(default_factory=dict)
+
+
+def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why checkpoint `name`, written under `saved`, cannot resume under `now`, or None. Keys absent from
+    either side (an older checkpoint) are not compared."""
+    saved = saved if isinstance(saved, dict) else {}
+    changed = [key for key in now if key in saved and saved[key] != now[key]]
+    if not changed:
+        return None
+    what = ", ".join(f"{key} = {saved[key]!r} there and {now[key]!r} here" for key in changed)
+    keep = " ".join(f"{key}={saved[key]}" for key in changed if "." in key)
+    return (f"checkpoint {name} was trained with {what}: " + _WHY.get(changed[0], "") + "resume with "
+            + (f"{keep}, " if keep else "the same data, ") + "or start afresh (run.overwrite=true)")
+
+
+_WHY = {"optimizer.name": "its optimizer state does not carry over to another optimizer; ",
+        "run.seed": "the data order of the epoch in progress depends on it; ",
+        "data.name": "its position in the data means nothing in other data; ",
+        "training samples": "its position in the data means nothing in other data; "}
 
 
 def world_size_mismatch(name: str, saved: int, now: int) -> str:

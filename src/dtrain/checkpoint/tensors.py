@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import random
 import warnings
@@ -30,8 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from .files import fsync_file
-from .state import Parts, Position, regroup
+from .files import fsync_file, user_file_mode
+from .state import Parts, Position, identity_mismatch, regroup
 from .store import CheckpointError
 
 TENSORS = "state"
@@ -68,6 +69,7 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
         "epoch": position.epoch,
         "world_size": parts.world_size,
         "samples_per_step": parts.samples_per_step,
+        "identity": parts.identity,
     }
     if parts.rank == 0:
         trainer = {
@@ -89,6 +91,9 @@ def load(folder: Path, parts: Parts) -> Position:
             raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier "
                                   f"checkpoint")
     trainer = json.loads((folder / TRAINER).read_text())
+    problem = identity_mismatch(folder.name, trainer.get("identity") or {}, parts.identity)
+    if problem:
+        raise CheckpointError(problem)
     _check_geometry(folder, trainer, parts)
     # On another number of processes rank r continues rank (r mod N)'s random streams (dropout): the
     # run goes on from the same data position, but not bitwise as at the same world size.
@@ -204,6 +209,7 @@ def _save_rng(path: Path, device: torch.device) -> None:
     metadata = {"numpy": json.dumps([np_kind, np_pos, np_has_gauss, np_gauss]),
                 "python": json.dumps([py_version, py_gauss])}
     save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, user_file_mode())  # safetensors writes 0600
     fsync_file(path)
 
 

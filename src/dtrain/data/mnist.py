@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint.files import user_file_mode
 from ..errors import DataError
 
 FILES = {
@@ -120,6 +121,7 @@ def download(root: str | Path) -> None:
                     shutil.copyfileobj(r, out)
                 if _md5(Path(tmp)) != md5:
                     raise OSError("checksum mismatch")
+                os.chmod(tmp, user_file_mode())  # mkstemp's 0600: the user's normal mode instead
                 os.replace(tmp, target)
                 break
             except OSError as exc:
