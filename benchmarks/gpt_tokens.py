@@ -14,7 +14,8 @@ Timing covers the training call only, after a few untimed warm-up steps in the s
 - dtrain: `dtrain.Trainer(...).fit()` with its defaults (logging every 10 steps, TensorBoard and
   metrics.jsonl on, the hang watchdog, the step-time breakdown).
 - plain: nanoGPT's loop: windows read from the memory-mapped shard, DDP, AdamW, the same global order.
-- accelerate: `Accelerator().prepare(model, optimizer, DataLoader(...))` and `accelerator.backward`.
+- accelerate: `Accelerator().prepare(model, optimizer, DataLoader(...))` and `accelerator.backward`
+  (`Accelerator(cpu=True)` without GPUs: otherwise it does not synchronise the processes at all).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def run_accelerate(data: Path, steps: int) -> float:
 
     windows = TokenWindows(data, "train", BLOCK)
     start = time.perf_counter()
-    accelerator = Accelerator()
+    # Without GPUs Accelerate trains each process alone (DistributedType.NO, no gradient exchange) unless
+    # told cpu=True, which gives it DDP over gloo (MULTI_CPU), as `accelerate launch --multi_cpu` does.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    assert accelerator.num_processes == 1 or accelerator.distributed_type != "NO", accelerator.distributed_type
     net = model(windows.vocab_size)
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
     loader = DataLoader(windows, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(SEED))

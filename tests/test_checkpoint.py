@@ -165,6 +165,43 @@ def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(reference, tmp_pa
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 40))
 
 
+FSDP = "distributed.strategy=fsdp"
+
+
+@pytest.fixture(scope="module")
+def reference_fsdp(tmp_path_factory):
+    """The job run start to finish under FSDP."""
+    run_dir = tmp_path_factory.mktemp("reference_fsdp")
+    ok(run_job(run_dir, FSDP))
+    return run_dir
+
+
+def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(reference_fsdp, tmp_path):
+    """As under DDP: SIGTERM writes one (sharded) checkpoint and asks to be requeued, the same command
+    resumes; a worker killed by SIGKILL restarts the group from the newest checkpoint; both end with
+    the weights of the run that was never interrupted."""
+    stopped = tmp_path / "sigterm"
+    proc = start_slow_job(stopped, FSDP)
+    wait_for(lambda: logged_steps(stopped) >= 5, what="training to start")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    complete = CheckpointStore(stopped).complete()
+    assert len(complete) == 1 and 5 <= complete[0].step < 39
+    assert sorted(p.name for p in (complete[0].path / "state").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                              "__1_0.distcp"]  # a shard each
+    resumed = ok(run_job(stopped, FSDP))
+    assert f"resumed from {complete[0].path}" in resumed.stderr
+    assert_same_weights(reference_fsdp, stopped)
+
+    killed = tmp_path / "killed"
+    result = ok(run_job(killed, FSDP, "--max-restarts", "1", "checkpoint.every_steps=5",
+                        model_extra=", die_at_forward = 23, die_rank = 1"))
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), \
+        result.stderr
+    assert_same_weights(reference_fsdp, killed)
+
+
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     wide = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=100", "data.input_shape=[1000]",
             "data.batch_size=8", "model.name=faults:wide_linear", "model.options={width = 30000}",

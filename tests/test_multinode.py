@@ -1,6 +1,7 @@
 """Two nodes for real: each its own network namespace and address, joined by a veth pair, one job
 through torchrun's c10d rendezvous. Skipped where namespaces cannot be made (needs root and iproute2)."""
 
+import json
 import os
 import re
 import shutil
@@ -130,3 +131,50 @@ def test_an_endpoint_whose_name_does_not_resolve_yet_is_waited_for_too(tmp_path)
                        "--rdzv-timeout", bad, f"run.dir={tmp_path}"])
         assert refused.returncode == 2 and refused.stderr.strip() == (
             f"dtrain: error: --rdzv-timeout must be from 1 to 10,000,000 seconds; got {float(bad):g}"), refused.stderr
+
+
+GPT_JOB = ["examples/gpt_stdlib.toml", "data.block_size=16", "data.batch_size=4", "training.epochs=1",
+           "training.max_steps=400", "training.log_every=20", "checkpoint.every_steps=10",
+           "model.options={n_layer = 1, n_head = 2, n_embd = 16}", "scheduler.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """Token shards of this package's own source (byte tokens: no tokenizer to train)."""
+    out = tmp_path_factory.mktemp("tokens") / "bytes"
+    ok(run([sys.executable, "-m", "dtrain", "prepare", "text", str(ROOT / "src" / "dtrain"), "--out", str(out),
+            "--tokenizer", "bytes"]))
+    return out
+
+
+def test_a_node_lost_for_good_leaves_the_job_running_on_fewer(nodes, tokens, tmp_path):
+    """`--nnodes 1:2`: two nodes train; one is killed for good (SIGKILL of its launcher, as a machine
+    that dies). The other's group fails, torchrun forms a new one of the nodes left (1 ≥ MIN), and the
+    job continues from the last checkpoint on one process, accumulation doubled to keep the global
+    batch (token data resumes on any number of processes), to the end."""
+    run_dir = tmp_path / "run"
+    endpoint = f"{nodes[0][1]}:29{os.getpid() % 900 + 100}"
+    procs = [subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "dtrain", "run", *GPT_JOB,
+                               f"data.path={tokens}", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", endpoint,
+                               "--max-restarts", "2", f"run.dir={run_dir}"],
+                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, _ in nodes]
+    deadline = time.monotonic() + TIMEOUT
+    while not (run_dir / "checkpoints" / "step-10" / "COMPLETE.json").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint came"
+        time.sleep(0.05)
+    procs[1].kill()  # node1 is gone; its worker dies with its launcher
+    _, err = procs[0].communicate(timeout=TIMEOUT)
+    procs[1].communicate()
+    assert procs[0].returncode == 0, err
+    assert re.search(r"^restart 1 of at most 2 \(torchrun\): a process of the group failed or a node left; the "
+                     r"group re-formed with 1 process\(es\)$", err, re.M), err
+    resumed = re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 400, epoch 0\)$", err, re.M)
+    assert resumed and int(resumed.group(1)) >= 10, err
+    assert re.search(rf"^step-{resumed.group(1)} was written by 2 processes and this run has 1: "
+                     r"training.grad_accum_steps 1 → 2 keeps its global batch of 8 samples$", err, re.M), err
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "loss" in r]
+    assert steps == list(range(20, 401, 20))  # every window once, the interrupted ones again from the checkpoint
+    assert all(len(r["rank_busy_ms"]) == 1 for r in lines if "loss" in r and r["step"] > int(resumed.group(1)))
+    assert (run_dir / "model.safetensors").exists()

@@ -95,7 +95,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     spec = _spec(args)
     spec.shutdown_grace_s = config.checkpoint.preempt_grace_s
     spec.validate()
-    preflight(config, world_size=spec.nproc * spec.min_nodes, local_world_size=spec.nproc, config_file=args.config)
+    # The largest group the job may form: an elastic range (--nnodes MIN:MAX) can grow to MAX nodes.
+    preflight(config, world_size=spec.nproc * spec.max_nodes, local_world_size=spec.nproc, config_file=args.config)
     if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
         return worker_main(config)  # one process: no launcher needed
     return launch(spec, ["-m", "dtrain", "run", args.config, *overrides])

@@ -294,6 +294,8 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
     if dist.is_available() and dist.is_initialized():
         env = _env_from_group(detect_env(environ))
         backend = dist.get_backend()
+        if backend == "gloo":
+            _let_gloo_settle_at_exit()
         set_debug_level(debug, backend)
         device = bind_device(env)
         return Session(env, backend, device, owns_group=False)
@@ -324,16 +326,39 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
         # Binding the device up front lets nccl create its communicator eagerly and correctly.
         device_id=device if backend == "nccl" else None,
     )
+    if backend == "gloo":
+        _let_gloo_settle_at_exit()
     return Session(env, backend, device, owns_group=True)
 
 
 def stop(session: Session, together: bool = False) -> None:
     """Destroy the process group if this session made it. `together`: every rank got here in step (a
-    run that ended normally, or an agreed stop), so one more collective is safe."""
-    if session.owns_group and dist.is_initialized():
-        if together and session.backend == "gloo":
-            _let_gloo_settle()
+    run that ended normally, or an agreed stop), so one more collective is safe — also in a group the
+    user's script made, which may end the moment fit() returns."""
+    if not dist.is_initialized():
+        return
+    if together and session.backend == "gloo" and session.world_size > 1:
+        _let_gloo_settle()
+    if session.owns_group:
         dist.destroy_process_group()
+
+
+_settling_at_exit = False
+
+
+def _let_gloo_settle_at_exit() -> None:
+    """Before the interpreter tears down, give gloo's thread a moment with the GIL free. A script's last
+    collective (its own, after fit()) leaves that thread dropping Python tensors just as the main
+    thread exits; should it take the GIL once finalisation has begun, Python ends the thread mid-C++
+    and the process aborts ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. No collective here: a rank cannot know that the others are exiting too."""
+    global _settling_at_exit
+    if not _settling_at_exit:
+        import atexit
+        import time
+
+        atexit.register(time.sleep, 0.05)  # the group may be destroyed already, and still held by DDP
+        _settling_at_exit = True
 
 
 def _let_gloo_settle(limit_s: float = 10.0) -> None:

@@ -38,6 +38,10 @@ class LaunchSpec:
         return int(self.nnodes.split(":")[0])
 
     @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
     def multi_node(self) -> bool:
         return self.nnodes != "1"
 

@@ -173,6 +173,11 @@ class Trainer:
         if self._replaced:
             whose = "an earlier attempt of this run" if rundir.later_attempt() else "the earlier run (run.overwrite)"
             self.monitor.info(f"replaced the outputs of {whose}: {', '.join(self._replaced)}")
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restarts.isdigit() and int(restarts) > 0:  # the agents' own account of it is silenced (launch.py)
+            self.monitor.info(f"restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
+                              f"(torchrun): a process of the group failed or a node left; the group re-formed "
+                              f"with {session.world_size} process(es)")
         if resume_from is not None:
             self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
                               f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
