@@ -1,11 +1,11 @@
 """Bad input gets one clear line, printed once, a non-zero exit, and nothing written."""
 
 import os
+import sys
 
 import pytest
 
-from helpers import ROOT, dtrain, run
-import sys
+from helpers import ROOT, dtrain, ok, run
 
 CFG = "examples/digits_mlp.toml"
 
@@ -31,6 +31,7 @@ def refused(result, message: str, tmp_path) -> None:
     (["--nproc", "9", "data.name=synthetic", "data.num_samples=10"],
      "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer"),
     (["--nproc", "0"], "--nproc must be >= 1; got 0"),
+    (["--nproc", "1e3"], "dtrain run: argument --nproc: invalid int value: '1e3' (see dtrain run --help)"),
     (["optimizer.lr=nan"], "optimizer.lr must be a finite number; got nan"),
     (["training.max_grad_norm=inf"], "training.max_grad_norm must be a finite number; got inf"),
     (["training.epochs=99999999999999999999999"],
@@ -55,6 +56,9 @@ def test_missing_and_broken_config_files(tmp_path):
     result = dtrain("run", str(bad), "--nproc", "2")
     assert result.returncode == 2 and result.stderr.startswith(f"dtrain: error: config file {bad} is not valid TOML")
     assert len(result.stderr.strip().splitlines()) == 1
+    device = dtrain("run", "/dev/zero")  # read as a config, it would never end
+    assert device.returncode == 2 and device.stderr == (
+        "dtrain: error: config file /dev/zero is not a regular file; pass a TOML file\n")
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe[training]\n")
     refused(dtrain("run", str(binary)), f"config file {binary} is not UTF-8 text (byte 0); TOML files are UTF-8",
@@ -127,11 +131,29 @@ def test_a_diverged_run_stops_in_one_line_instead_of_training_nans(tmp_path):
         "optimizer.lr=1e+29 or training.max_grad_norm=1.0: rerun with that change and run.overwrite=true to start "
         "afresh"], result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model.safetensors").exists()
+    # Diverging between log steps, with a checkpoint every step: the checkpoint of a step whose update
+    # made the weights infinite is refused, not sealed; every sealed one holds finite weights.
+    later = tmp_path / "later"
+    result = dtrain("run", CFG, "training.log_every=4", "checkpoint.every_steps=1", "checkpoint.keep=100",
+                    "scheduler.warmup_steps=8", "optimizer.lr=1e25", "--nproc", "2", f"run.dir={later}")
+    assert result.returncode == 2 and "training diverged and goes no further" in result.stderr, result.stderr
+    sealed = sorted((later / "checkpoints").glob("step-*"))
+    assert sealed and all(finite_weights(folder) for folder in sealed)
+
+
+def finite_weights(folder) -> bool:
+    """Whether a checkpoint's model tensors are all finite (read with torch.distributed.checkpoint)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(folder / "state")
+    items = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in items.items() if k.startswith("model/")}
+    load(state, storage_reader=reader, no_dist=True)
+    return all(torch.isfinite(t).all() for t in state.values())
 
 
 def test_outputs_get_the_users_normal_file_mode(tmp_path):
-    from helpers import ok
-
     """Every file and folder dtrain writes (checkpoints, RNG states, the lock, events) gets 0666 / 0777
     less the umask, like any program's; a umask of 002 (group-writable) shows a hard-coded 0644 or 0600."""
     before = os.umask(0o002)

@@ -72,6 +72,12 @@ def test_resolved_config_round_trips(tmp_path):
     ("distributed.bucket_cap_mb=1e300", "distributed.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
     ("distributed.timeout_s=1e30", "distributed.timeout_s must be <= 31536000; got 1e+30"),
     ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
+    ("distributed.timeout_s=0.01", "distributed.timeout_s must be >= 5; got 0.01"),
+    ("distributed.hang_timeout_s=0.0001", "distributed.hang_timeout_s = 0.0001 would call every step a hang"),
+    ("distributed.init_method=tcp://:29500", "needs a host: tcp://host:port"),
+    ("distributed.init_method=tcp://h:0", "needs a port: tcp://host:port (1-65535)"),
+    ("distributed.init_method=file://", "needs an absolute file path"),
+    ("distributed.init_method=file:///no/such/dir/x", "names a file in /no/such/dir, which is not a folder here"),
     ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
     ("training.compile=yes", "training.compile must be one of none, blocks, model; got 'yes'"),
 ])
@@ -81,6 +87,13 @@ def test_bad_overrides_get_one_clear_line(override, message):
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_settings_that_contradict_each_other_are_refused():
+    with pytest.raises(ConfigError, match="optimizer.nesterov = true needs momentum"):
+        load_config(None, ["optimizer.momentum=0", "optimizer.nesterov=true"])
+    with pytest.raises(ConfigError, match="profile.steps = '1-99999999999999999999' is not a step range"):
+        load_config(None, ["profile.steps=1-99999999999999999999"])
 
 
 def test_compile_takes_true_and_false_for_its_usual_choices():

@@ -214,6 +214,42 @@ def test_any_checkpoint_marker_is_trusted_or_refused_in_one_line(a_checkpoint, t
         assert "\n" not in str(exc)
 
 
+_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40), st.floats(), st.text(max_size=6)),
+                     lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                             st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=8)
+
+
+@fuzz(40)
+@given(field=st.sampled_from(["step", "epoch", "world_size", "samples_per_step", "optimizer", "scheduler", "scaler",
+                              "identity", "unscheduled_skips", None]), value=_json)
+def test_any_trainer_state_sealed_into_a_checkpoint_resumes_or_is_refused_in_one_line(a_checkpoint, tmp_path_factory,
+                                                                                      field, value):
+    """trainer.json edited (one field replaced, or the whole file) and the marker resealed to match, as a
+    careless tool might: the resume either works or is refused in one line, never a traceback."""
+    import zlib
+
+    import torch
+    from torch.utils.data import TensorDataset
+
+    run_dir = tmp_path_factory.mktemp("resealed")
+    shutil.copytree(a_checkpoint / "checkpoints", run_dir / "checkpoints")
+    folder = run_dir / "checkpoints" / "step-2"
+    trainer = json.loads((folder / "trainer.json").read_text())
+    data = json.dumps(value if field is None else {**trainer, field: value}).encode()
+    (folder / "trainer.json").write_bytes(data)
+    marker = json.loads((folder / "COMPLETE.json").read_text())
+    marker["files"]["trainer.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (folder / "COMPLETE.json").write_text(json.dumps(marker))
+    config = Config.from_dict({"run": {"dir": str(run_dir)}, "data": {"batch_size": 8},
+                               "training": {"epochs": 1}, "monitor": {"trackers": []}})
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    try:
+        dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=TensorDataset(x, (x[:, 0] > 0).long())).fit()
+    except DtrainError as exc:
+        assert "\n" not in str(exc)
+
+
 @fuzz(300)
 @given(header=st.binary(max_size=24), body=st.binary(max_size=64))
 def test_any_idx_file_is_read_or_refused_in_one_line(tmp_path_factory, header, body):

@@ -213,19 +213,27 @@ def test_report_from_the_command_line(slow_rank_run):
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
 
 
-@pytest.mark.parametrize("kind", ["file", "link"])
-def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_path, kind):
+@pytest.mark.parametrize("kind, problem", [("file", "is not a folder (a file of yours?)"),
+                                           ("link", "is not a folder (a link of yours?)"),
+                                           ("link inside", "holds links: summary.txt (a folder of yours?)")])
+def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_path, kind, problem):
+    """Nothing is written through a link: not report/ itself, not a file in it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(slow_rank_run[0] / "metrics.jsonl", run_dir)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    (elsewhere / "victim.txt").write_text("mine")
     if kind == "file":
         (run_dir / "report").write_text("my notes")
-    else:
+    elif kind == "link":
         (run_dir / "report").symlink_to(elsewhere)
+    else:
+        (run_dir / "report").mkdir()
+        (run_dir / "report" / "summary.txt").symlink_to(elsewhere / "victim.txt")
     result = dtrain("report", str(run_dir))
     assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
-        f"dtrain: error: {run_dir / 'report'} is where dtrain writes its report, and it is not a folder "
-        f"(a {kind} of yours?); move it and run dtrain report again"], result.stderr
-    assert not any(elsewhere.iterdir()) and (kind == "link" or (run_dir / "report").read_text() == "my notes")
+        f"dtrain: error: {run_dir / 'report'} is where dtrain writes its report, and it {problem}; move it and "
+        f"run dtrain report again"], result.stderr
+    assert [p.name for p in elsewhere.iterdir()] == ["victim.txt"] and (elsewhere / "victim.txt").read_text() == "mine"
+    assert kind != "file" or (run_dir / "report").read_text() == "my notes"

@@ -33,6 +33,13 @@ LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdz
                 "local_addr")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake said in one line (exit 2) like every other bad input."""
+
+    def error(self, message: str):
+        raise DtrainError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("launch (passed to torchrun)")
     g.add_argument("--nproc", type=int, default=None, metavar="N",
@@ -69,7 +76,7 @@ def _explicit_launch(args: argparse.Namespace) -> bool:
 
 
 def cmd_run(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dtrain run", description="Train the job a TOML config describes.")
+    parser = _Parser(prog="dtrain run", description="Train the job a TOML config describes.")
     parser.add_argument("config", help="TOML job description, e.g. examples/digits_mlp.toml")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--resume", action="store_true",
@@ -103,7 +110,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 
 def cmd_launch(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dtrain launch", description="Run your own training script (using dtrain.Trainer or plain "
         "torch.distributed) in every worker, through torchrun.")
     _add_launch_flags(parser)
@@ -121,7 +128,7 @@ def cmd_launch(argv: Sequence[str]) -> int:
 
 
 def cmd_config(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dtrain config", description="Print the resolved config as TOML.")
+    parser = _Parser(prog="dtrain config", description="Print the resolved config as TOML.")
     parser.add_argument("config", nargs="?", help="TOML job description (default: all defaults)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--reference", action="store_true",
@@ -142,7 +149,7 @@ def cmd_config(argv: Sequence[str]) -> int:
 
 
 def cmd_doctor(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dtrain doctor", description="Report this machine's distributed set-up and what looks wrong; "
         "with --nproc, measure a real all-reduce across the group (1 KiB to 256 MiB).")
     _add_launch_flags(parser)
@@ -163,7 +170,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dtrain report",
+    parser = _Parser(prog="dtrain report",
                                      description="Plots and a summary of a run, written to RUN_DIR/report/.")
     parser.add_argument("run_dir", help="a run.dir a dtrain run wrote metrics.jsonl to")
     args = parser.parse_args(argv)
@@ -178,7 +185,7 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dtrain prepare", description="Turn text into token shards for data.name=tokens (see data/tokens.py).")
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="text")
     text = kinds.add_parser("text", help="text files, folders or globs → DIR/meta.json and DIR/*.bin")
@@ -214,7 +221,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 
 
 def cmd_generate(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dtrain generate",
+    parser = _Parser(prog="dtrain generate",
                                      description="Print a sample from a language model a run trained.")
     parser.add_argument("run_dir", help="the run.dir of a finished run (config.toml, model.safetensors)")
     parser.add_argument("--prompt", default="", help="text to continue")

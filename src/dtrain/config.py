@@ -74,8 +74,8 @@ class DistributedConfig:
         "auto", "auto picks nccl when CUDA GPUs are visible, gloo otherwise.")
     init_method: str = setting("env://", "env:// (torchrun, SLURM, Open MPI set it up), "
                                "tcp://host:port or file:///shared/path.")
-    timeout_s: float = setting(1800.0, "Seconds a collective may wait before the backend gives up.",
-                               above=0, max=_A_YEAR)
+    timeout_s: float = setting(1800.0, "Seconds a collective may wait before the backend gives up (at least 5: "
+                               "setting up the group alone takes a moment).", min=5, max=_A_YEAR)
     hang_timeout_s: float = setting(300.0, "Seconds without any rank finishing a step before every rank "
                                     "writes its Python stacks to run.dir/diagnostics and the job ends "
                                     "naming the ranks behind (0: off). Keep it below timeout_s.", min=0,
@@ -278,6 +278,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is None:
         return Config().with_overrides(overrides)
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a device, a FIFO: endless or blocking
+        raise ConfigError(f"config file {path} is not a regular file; pass a TOML file")
     try:
         with path.open("rb") as fh:
             raw = tomllib.load(fh)
@@ -336,9 +338,9 @@ def validate(config: Config) -> None:
     if "://" not in config.distributed.init_method or scheme not in ("env", "tcp", "file"):
         raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' is not "
                           f"supported; use env://, tcp://host:port or file:///path")
-    if scheme == "tcp" and not _has_port(config.distributed.init_method):
-        raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' needs a "
-                          f"port: tcp://host:port")
+    problem = _init_method_problem(config.distributed.init_method)
+    if problem:
+        raise ConfigError(f"distributed.init_method = '{config.distributed.init_method}' {problem}")
     for key, value, builtins in (("model.name", config.model.name, ("mlp", "cnn", "gpt")),
                                  ("data.name", config.data.name, ("digits", "mnist", "synthetic", "tokens"))):
         if value not in builtins and not _is_factory_ref(value):
@@ -346,10 +348,16 @@ def validate(config: Config) -> None:
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"{key} = '{value}' is neither a built-in ({', '.join(builtins)}) nor "
                               f"a factory 'package.module:function'; {hint}".rstrip("; "))
+    if config.optimizer.name == "sgd" and config.optimizer.nesterov and config.optimizer.momentum == 0:
+        raise ConfigError("optimizer.nesterov = true needs momentum: set optimizer.momentum above 0 (0.9 is usual), "
+                          "or optimizer.nesterov=false")
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           f"[0, 1), e.g. [0.9, 0.999]")
     hang, timeout = config.distributed.hang_timeout_s, config.distributed.timeout_s
+    if 0 < hang < 1:
+        raise ConfigError(f"distributed.hang_timeout_s = {hang:g} would call every step a hang; use 0 (off) or at "
+                          f"least 1 second")
     if hang and hang >= timeout:
         raise ConfigError(f"distributed.hang_timeout_s = {hang:g} must be below distributed.timeout_s = "
                           f"{timeout:g}, or the backend gives up first and the hang goes unexplained")
@@ -372,7 +380,7 @@ def profile_range(text: str) -> tuple[int, int] | None:
     if not (first.strip().isdigit() and last.strip().isdigit()):
         return None
     a, b = int(first), int(last)
-    return (a, b) if 1 <= a <= b else None
+    return (a, b) if 1 <= a <= b < 2**63 else None
 
 
 def _is_factory_ref(value: str) -> bool:
@@ -381,9 +389,23 @@ def _is_factory_ref(value: str) -> bool:
                 and func.isidentifier())
 
 
-def _has_port(url: str) -> bool:
-    host_port = url.split("://", 1)[1].split("/", 1)[0]
-    return host_port.rpartition(":")[2].isdigit()
+def _init_method_problem(url: str) -> str | None:
+    """What torch could not use in a tcp:// or file:// init method (it would fail in every worker, or
+    wait for a file that can never be made), or None."""
+    scheme, rest = url.split("://", 1)
+    if scheme == "tcp":
+        host, _, port = rest.split("/", 1)[0].rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            return "needs a port: tcp://host:port (1-65535)"
+        if not host.strip("[]"):
+            return "needs a host: tcp://host:port (rank 0's address)"
+    if scheme == "file":
+        path = rest.split("?", 1)[0]
+        if not path.startswith("/") or path == "/":
+            return "needs an absolute file path on a shared file system: file:///shared/path/rendezvous"
+        if not os.path.isdir(os.path.dirname(path)):
+            return f"names a file in {os.path.dirname(path)}, which is not a folder here; use a folder every node shares"
+    return None
 
 
 def _section(config: Config, name: str, source: str, full_key: str | None = None):

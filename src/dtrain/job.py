@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -19,9 +19,9 @@ from .data import tokens
 from .comm import check_comm_hook
 from .config import Config
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
+from .failures import report
 from .trackers import check_installed
 from .trainer import Trainer, check_shardable
-
 
 
 def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> None:
@@ -124,25 +124,18 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
         if rank == 0:
             print(f"dtrain: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker: the launcher says it once
+        return 128 + signal.SIGINT
     except DtrainError as exc:
         report(str(exc), rank, traceback_text=None)
+        if rank != 0 and not os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
+            # Only rank 0 prints: under plain torchrun the first rank to exit gets the others stopped,
+            # and rank 0, reaching the same error a moment later, would be stopped before saying it.
+            time.sleep(2.0)
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - a crash of any kind is reported, then exits 1
         report(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
         return 1
-
-
-def report(message: str, rank: int, traceback_text: str | None) -> None:
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file and os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
-        text = message if traceback_text is None else traceback_text.rstrip()
-        with open(error_file, "w") as fh:
-            json.dump({"message": text, "timestamp": int(time.time())}, fh)
-        return
-    if traceback_text is not None:
-        sys.stderr.write(f"[rank {rank}] {traceback_text}")
-    elif rank == 0:
-        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
 
 
 def _env_or_single() -> distributed.DistEnv:

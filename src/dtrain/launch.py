@@ -54,8 +54,10 @@ class LaunchSpec:
             raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
         if not 1 <= self.rdzv_timeout <= MAX_RDZV_TIMEOUT:  # torchrun takes whole seconds, at least 1
             raise ConfigError(f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0; got {self.max_restarts}")
+        if not 0 <= self.max_restarts <= 10_000:
+            raise ConfigError(f"--max-restarts must be from 0 to 10000; got {self.max_restarts}")
+        if self.nproc > 4096:  # processes per node: no machine runs more
+            raise ConfigError(f"--nproc must be at most 4096; got {self.nproc}")
         if self.multi_node and not self.rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first "
                               "node that every node can reach)")

@@ -9,6 +9,7 @@ never touches the device, so it cannot add a sync to the training step.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ class Monitor:
             self._tensorboard(record)
         for tracker in self._trackers:
             tracker.log(record)
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(json.dumps(_strict_json(record)) + "\n")
         self._metrics.flush()
         line = format_record(record)
         if self._bar is not None and "eval_loss" not in record:
@@ -154,3 +155,14 @@ def format_record(record: dict[str, Any]) -> str:
                 parts[-1] += " = " + " + ".join(f"{name} {record[f'{name}_ms']:.1f}"
                                                 for name in ("data", "compute", "comm", "optimizer"))
     return " | ".join(parts)
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with nan and inf as null: metrics.jsonl stays JSON every parser reads (a diverged loss)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(v) for v in value]
+    return value

@@ -17,7 +17,7 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
     options = implementation_options(config.name, device)
     if config.name == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                               nesterov=config.nesterov and config.momentum > 0,
+                               nesterov=config.nesterov,
                                weight_decay=config.weight_decay, **options)
     return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
                              weight_decay=config.weight_decay, **options)

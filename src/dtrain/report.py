@@ -44,7 +44,9 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
         if record is not None:
             records.append(record)
     if not any("loss" in r for r in records):
-        raise DtrainError(f"{path} holds no training steps yet; nothing to report")
+        diverged = '"loss": null' in text  # what dtrain writes for a loss that is not a number
+        raise DtrainError(f"{path} holds no training steps with a finite loss" + (
+            " (the run diverged at its first log step)" if diverged else " yet") + "; nothing to report")
     return records
 
 
@@ -76,7 +78,9 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
             and all(_number(b) for b in busy) and ranks in (None, len(busy))):
         kept.update({k: record[k] for k in timing}, rank_busy_ms=busy)
     sizes = [record.get(name) for name in memory_fields]  # the first log step's, per rank
-    if all(isinstance(v, list) and v and len(v) == len(sizes[0]) and all(_number(b) for b in v) for v in sizes):
+    ranks = len(kept.get("rank_busy_ms", sizes[0] if isinstance(sizes[0], list) else []))
+    if all(isinstance(v, list) and v and len(v) == ranks and all(_number(b) and 0 <= b < 2**60 for b in v)
+           for v in sizes):
         kept.update(zip(memory_fields, sizes))
     stragglers = record.get("stragglers")
     if isinstance(stragglers, list) and all(isinstance(s, dict) and isinstance(s.get("rank"), int)

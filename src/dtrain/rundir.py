@@ -33,7 +33,10 @@ def _entries(path: Path, pattern: str) -> str | None:
     if path.is_symlink() or not path.is_dir():
         return "is not a folder"
     strangers = sorted(p.name for p in path.iterdir() if not re.fullmatch(pattern, p.name))
-    return f"holds {', '.join(strangers[:3])}" if strangers else None
+    if strangers:
+        return f"holds {', '.join(strangers[:3])}"
+    links = sorted(p.name for p in path.iterdir() if p.is_symlink())  # writing there would write elsewhere
+    return f"holds links: {', '.join(links[:3])}" if links else None
 
 
 def _metrics_file(path: Path) -> str | None:

@@ -371,6 +371,7 @@ class Trainer:
         the run says where, exit 2 — never a finished run with nothing to show."""
         path = self.run_dir / "model.safetensors"
         error = None
+        self._refuse_a_diverged_state()
         state = self.parallel.full_state_dict()  # a collective under FSDP
         if self.session.is_main:
             try:
@@ -403,6 +404,7 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         self.metrics.pause()
         self.timer.progress.at("checkpoint")
+        self._refuse_a_diverged_state()  # a rerun would resume into it
         position = Position(self.step, self.epoch, unscheduled_skips=int(self.metrics.skipped_sum.item()))
         checkpoint = self.checkpointer.save(position)
         self.metrics.resume()
@@ -541,25 +543,32 @@ class Trainer:
         if "param_bytes" in record:
             self.monitor.info(memory.describe(record, memory.peak_bytes(self.session.device)[1]))
         if not math.isfinite(record["loss"]):  # every rank has the same record: all stop here together
-            raise DtrainError(self._diverged(record["loss"]))
-        self._finite_until = self.step
+            raise DtrainError(self._diverged(f"the training loss became {record['loss']}"))
         return record, stop
 
-    def _diverged(self, loss: float) -> str:
+    def _refuse_a_diverged_state(self) -> None:
+        """Stop, on every rank, rather than write weights that are not finite (a checkpoint, the final
+        weights): a loss can stay finite for the step whose update broke them."""
+        broken = None if _finite(self.module.parameters()) else self._diverged("the weights became nan or inf")
+        broken = distributed.first_error(broken)
+        if broken:
+            raise DtrainError(broken)
+
+    def _diverged(self, what: str) -> str:
         cfg = self.config
         levers = [f"optimizer.lr={cfg.optimizer.lr / 10:g}"]
         if cfg.training.max_grad_norm <= 0:
             levers.append("training.max_grad_norm=1.0")
         if cfg.training.precision == "fp16":
             levers.append("training.precision=bf16")
-        last = self.checkpointer.store.newest()
-        if last is not None and last.step <= getattr(self, "_finite_until", 0):
-            again = (f"rerun with that change to resume from {last.path} (step {last.step}, logged with a finite "
-                     f"loss), or add run.overwrite=true to start afresh")
+        last = self.checkpointer.store.newest()  # never a diverged state: see _save_checkpoint
+        if last is not None:
+            again = (f"rerun with that change to resume from {last.path} (step {last.step}), or add "
+                     f"run.overwrite=true to start afresh")
         else:
             again = "rerun with that change and run.overwrite=true to start afresh"
-        return (f"the training loss became {loss} by step {self.step}: training diverged and goes no further; try "
-                f"{' or '.join(levers)}: {again}")
+        return (f"{what} by step {self.step}: training diverged and goes no further; try {' or '.join(levers)}: "
+                f"{again}")
 
     def _unschedule(self, skipped: int) -> None:
         """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
@@ -668,3 +677,11 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     """A setting as the config writes it (a checkpoint's JSON makes betas a list)."""
     return list(value) if isinstance(value, tuple) else value
+
+
+def _finite(tensors) -> bool:
+    """Whether every value of these tensors (this rank's shards) is finite: one host sync."""
+    from torch.distributed.tensor import DTensor
+
+    checks = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors]
+    return bool(torch.stack(checks).all()) if checks else True

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import EXIT_HANG
+from .failures import report
 from .steptime import Progress
 
 # The order phases come in within a step: a rank earlier in it is further behind.
@@ -85,8 +86,6 @@ class HangWatch:
             faulthandler.dump_traceback(file=fh, all_threads=True)
         dump_flight_recorder(self.diagnostics / f"flight-recorder-rank-{self.rank}",
                              dist.get_backend() if dist.is_initialized() else "")
-        from .job import report  # here: job imports the trainer, which imports this module
-
         report(self._describe(), self.rank, traceback_text=None)
         time.sleep(min(5.0, self.timeout_s))  # let the other ranks write their stacks too
         os._exit(EXIT_HANG)

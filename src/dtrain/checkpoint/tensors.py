@@ -90,7 +90,15 @@ def load(folder: Path, parts: Parts) -> Position:
         if not (folder / name).is_file():
             raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier "
                                   f"checkpoint")
-    trainer = json.loads((folder / TRAINER).read_text())
+    try:
+        trainer = json.loads((folder / TRAINER).read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        trainer, problem = None, f"not JSON ({exc})"
+    else:
+        problem = _trainer_problem(trainer)
+    if problem:
+        raise CheckpointError(f"{folder / TRAINER} is not what dtrain writes: {problem}; delete {folder} to "
+                              f"resume from an earlier checkpoint")
     problem = identity_mismatch(folder.name, trainer.get("identity") or {}, parts.identity)
     if problem:
         raise CheckpointError(problem)
@@ -134,15 +142,41 @@ def load(folder: Path, parts: Parts) -> Position:
         # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
         saved.update({key: live[key] for key in _IMPLEMENTATION if key in live})
     optim_state = {"state": optim_entries, "param_groups": groups}
-    set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
-    if not optim_entries:
-        parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
-    parts.scheduler.load_state_dict(trainer["scheduler"])
-    if trainer["scaler"]:
-        parts.scaler.load_state_dict(trainer["scaler"])
+    try:
+        set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
+        if not optim_entries:
+            parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
+        parts.scheduler.load_state_dict(trainer["scheduler"])
+        if trainer.get("scaler"):
+            parts.scaler.load_state_dict(trainer["scaler"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise CheckpointError(f"{folder / TRAINER} does not fit this run's optimizer or schedule ({type(exc).__name__}: "
+                              f"{exc}); delete {folder} to resume from an earlier checkpoint, or start a new "
+                              f"run.dir") from None
     _load_rng(rng, _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
                     unscheduled_skips=trainer.get("unscheduled_skips", 0))
+
+
+def _trainer_problem(trainer: Any) -> str | None:
+    """What is wrong with a trainer.json's shape (a file edited or damaged, and sealed again), or None."""
+    if not isinstance(trainer, dict):
+        return "not a JSON object"
+    required = {"step": 0, "epoch": 0, "world_size": 1, "samples_per_step": 1}
+    for key, least in (*required.items(), ("unscheduled_skips", 0)):
+        value = trainer.get(key, None if key in required else 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**53):
+            return f"{key} is {value!r}, not a whole number >= {least}"
+    optimizer = trainer.get("optimizer")
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+            and all(isinstance(entry, dict) for entry in optimizer["state"].values())
+            and isinstance(optimizer.get("param_groups"), list)
+            and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+        return "its optimizer entry is malformed"
+    for key in ("scheduler", "scaler", "identity"):
+        if not isinstance(trainer.get(key, {}), dict):
+            return f"its {key} entry is not an object"
+    return None
 
 
 @contextlib.contextmanager
