@@ -9,7 +9,7 @@
 # state) with the optimizer's step where torch keeps it; nccl's flight recorder dumped; a 2-process job
 # on the same GPU over gloo (DDP with CUDA tensors) whose launcher holds no CUDA context; a forced hang
 # (the flight recorder dumped into diagnostics/); a real out-of-memory (the one-line advice); the W1
-# throughput benchmark. Each check is one row; the script exits 1 if any row failed. The in-process
+# throughput benchmark; GPT-2 small in bf16 with torch.compile (tokens/s, MFU, peak memory). Each check is one row; the script exits 1 if any row failed. The in-process
 # checks live in benchmarks/gpu_checks.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +135,21 @@ if table=$(timeout 240 "$PY" benchmarks/throughput.py --nproc 1 --rounds 1 --ste
     row "W1 throughput, 1 GPU" ok "see the table below"
 else
     row "W1 throughput, 1 GPU" FAIL "$(tail -n 1 "$WORK/throughput.log")"
+fi
+
+# 7. GPT-2 small (12 layers, 12 heads, 768 wide, block 1024; the standard library's 4,096-token
+#    vocabulary, not GPT-2's 50,257) in bf16 with torch.compile on this GPU: tokens/s, MFU, peak memory.
+#    (FSDP needs several GPUs: on one, every strategy is the plain module.)
+dir=$WORK/gpt2
+if timeout 240 "$PY" -m dtrain prepare text --python-stdlib --out "$WORK/stdlib" --workers 8 >"$dir.prep.log" 2>&1 &&
+        LIMIT=300 dtrain run examples/gpt_stdlib.toml --nproc 1 data.path="$WORK/stdlib" data.block_size=1024 \
+            data.batch_size=8 data.eval_batch_size=8 "model.options={n_layer = 12, n_head = 12, n_embd = 768, dropout = 0.0}" \
+            training.precision=bf16 training.compile=blocks training.max_steps=60 training.log_every=20 \
+            run.dir="$dir" >"$dir.log" 2>&1; then
+    detail=$(metric "$dir" '"{:,.0f} tokens/s, MFU {:.1%}, peak {:.1f} GiB".format(train[-1]["tokens_per_s"], train[-1].get("mfu", float("nan")), max(train[0]["peak_bytes"]) / 2**30)')
+    row "GPT-2 small, bf16, compile" ok "$detail; $(grep -o '^compiled.*' "$dir.log")"
+else
+    row "GPT-2 small, bf16, compile" FAIL "$(tail -n 1 "$dir.log" 2>/dev/null || tail -n 1 "$dir.prep.log")"
 fi
 
 echo

@@ -293,6 +293,30 @@ def test_out_of_memory_while_setting_up_gets_the_same_advice(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize("strategy, offload, levers", [
+    ("ddp", False, ["distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)",
+                    "training.activation_checkpointing=full"]),
+    ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true"]),
+    ("fsdp", True, ["training.activation_checkpointing=full"]),
+])
+def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, strategy, offload, levers):
+    """On 2 GPUs with a model of blocks: sharding, activation checkpointing and offload, each only when off."""
+    from types import SimpleNamespace
+
+    from dtrain.gpt import GPT
+    from dtrain.trainer import Trainer
+
+    cfg = dtrain.Config.from_dict({"run": {"dir": str(tmp_path)}, "training": {"precision": "bf16"},
+                                   "distributed": {"strategy": strategy, "fsdp_cpu_offload": offload}})
+    gpus = SimpleNamespace(config=cfg, module=GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8),
+                           session=SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1)))
+    message = str(Trainer._out_of_memory(gpus, "at step 3", torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    assert message.startswith("out of GPU memory at step 3 on rank 1 with data.batch_size=64 per process")
+    offered = message.split("; try ", 1)[1].split(" or ")
+    assert offered == ["data.batch_size=32 training.grad_accum_steps=2 (the same effective batch)",
+                       "data.on_device=false", *levers]
+
+
 # --- 8: RNG states ---------------------------------------------------------------------------------
 
 
