@@ -79,7 +79,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("distributed.init_method=file://", "needs an absolute file path"),
     ("distributed.init_method=file:///no/such/dir/x", "names a file in /no/such/dir, which is not a folder here"),
     ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
-    ("training.compile=yes", "training.compile must be one of none, blocks, model; got 'yes'"),
+    ("training.compile=yes", "training.compile must be one of none, blocks, model (or true, false); got 'yes'"),
+    ("distributed.strategy=FSDP", "did you mean 'fsdp'?"),
 ])
 def test_bad_overrides_get_one_clear_line(override, message):
     with pytest.raises(ConfigError) as info:

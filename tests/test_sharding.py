@@ -72,6 +72,10 @@ def test_fsdp_units_naming_no_module_is_one_line(fsdp):
     _, results, _ = fsdp
     assert results["bad_units"].startswith("distributed.fsdp_units = ['Nowhere'] names no module of this model; "
                                            "its module classes are Block, ")
+    # The GPT ties lm_head.weight to the token embedding: a Linear unit would shard one of them alone.
+    assert results["tied_units"].startswith("distributed.fsdp_units makes ") and "tied weights" in results["tied_units"]
+    assert results["container_units"] == ("distributed.fsdp_units names ModuleList, a container whose forward is "
+                                          "never called; name the block class inside it (Block)")
 
 
 def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
@@ -92,6 +96,9 @@ def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
      "distributed.comm_hook = 'fp16' is a DDP hook"),
     (["training.compile=true", "CXX=no-such-c++"],
      "training.compile needs a C++ compiler to build CPU code and 'no-such-c++' (from CXX) is not on PATH"),
+    (["training.compile=true", "CXX="], "training.compile needs a C++ compiler and CXX is set but empty"),
+    (["training.compile=true", "CXX=/bin/false"],
+     "training.compile needs a C++ compiler and '/bin/false' (from CXX) does not run as one"),
     (["training.activation_checkpointing=full"],  # found by a worker: the launcher does not build the model
      "training.activation_checkpointing and training.compile=blocks work block by block, and Sequential has no "
      "blocks dtrain can find"),
@@ -146,6 +153,8 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
                         f"distributed.strategy={strategy}"))
     assert (f"step-4 was written by 2 processes and this run has {nproc}: training.grad_accum_steps 2 → {accum} "
             f"keeps its global batch of 16 samples") in resumed.stderr
+    assert (f"the config changed since that checkpoint (distributed.strategy {before} → {strategy}): this run "
+            f"follows it from step 4\n") in resumed.stderr
     losses, reference = [m["loss"] for m in train_lines(tmp_path)], [m["loss"] for m in train_lines(whole)]
     assert len(losses) == len(reference) == 8 and losses == pytest.approx(reference, abs=1e-5)
     assert eval_lines(tmp_path)[-1]["eval_loss"] == pytest.approx(eval_lines(whole)[-1]["eval_loss"], abs=1e-5)

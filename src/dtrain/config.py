@@ -448,14 +448,17 @@ def _coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text:
         if isinstance(value, bool) and meta.get("booleans"):
             return meta["booleans"][value]
         if value not in choices:
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {_show(value)}{hint}")
+            lowered = {c.lower(): c for c in choices}
+            close = difflib.get_close_matches(str(value).lower(), list(lowered), n=1)
+            hint = f"; did you mean '{lowered[close[0]]}'?" if close else ""
+            also = " (or true, false)" if meta.get("booleans") else ""
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}{also}; got {_show(value)}{hint}")
         return value
     if origin is list:
         (item_type,) = typing.get_args(type_)
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, e.g. {key}=[1, 2]; got {_describe(value)}")
+            example = '["a", "b"]' if item_type is str else "[1, 2]"
+            raise ConfigError(f"{key} must be a list, e.g. {key}={example}; got {_describe(value)}")
         return [_coerce(f"{key}[{i}]", v, item_type, meta, None) for i, v in enumerate(value)]
     if type_ is dict:
         if not isinstance(value, dict):

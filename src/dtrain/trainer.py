@@ -142,10 +142,13 @@ class Trainer:
             self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank,
             session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps,
             identity={"optimizer.name": cfg.optimizer.name, "run.seed": cfg.run.seed, "data.name": cfg.data.name,
-                      "training samples": len(self.train_data)}))
+                      "training samples": len(self.train_data)},
+            setup={"distributed.strategy": cfg.distributed.strategy, "training.compile": cfg.training.compile,
+                   "training.activation_checkpointing": cfg.training.activation_checkpointing,
+                   "training.precision": cfg.training.precision}))
         resume_from = self.checkpointer.find_resume_point()
         self._fresh = resume_from is None  # what run.dir holds from here on is this run's own
-        replanned = None
+        replanned = rescheduled = None
         if resume_from is not None:
             if resume_from.step > self.total_steps:
                 raise DtrainError(f"{resume_from.path} is at step {resume_from.step} and this config plans "
@@ -156,8 +159,11 @@ class Trainer:
             position = self.checkpointer.restore(resume_from)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-            replanned = ", ".join(filter(None, (self._follow_the_configs_plan(),
-                                                self._follow_the_configs_optimizer(wanted))))
+            respread = ", ".join(f"{key} {position.setup[key]} → {value}" for key, value in
+                                 self.checkpointer.parts.setup.items()
+                                 if key in position.setup and position.setup[key] != value)
+            rescheduled = self._follow_the_configs_plan()
+            replanned = ", ".join(filter(None, (rescheduled, self._follow_the_configs_optimizer(wanted), respread)))
         self._lr = self.optimizer.param_groups[0]["lr"]
 
         continuing = resume_from is not None and self.step < self.total_steps
@@ -185,7 +191,8 @@ class Trainer:
             self.monitor.info(self._regrouped)
         if replanned and continuing:
             self.monitor.info(f"the config changed since that checkpoint ({replanned}): this run follows it from "
-                              f"step {self.step}, the learning-rate schedule rebuilt for its plan")
+                              f"step {self.step}" + (", the learning-rate schedule rebuilt for its plan"
+                                                     if rescheduled else ""))
         self.timer.progress.step = self.step
         self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
                                session.world_size, self.run_dir)
@@ -212,7 +219,7 @@ class Trainer:
             return None
         name, saved_world, accum = found
         before, cfg.training.grad_accum_steps = cfg.training.grad_accum_steps, accum
-        return (f"{name} was written by {saved_world} processes and this run has {self.session.world_size}: "
+        return (f"{name} was written by {_processes(saved_world)} and this run has {self.session.world_size}: "
                 f"training.grad_accum_steps {before} → {accum} keeps its global batch of "
                 f"{accum * cfg.data.batch_size * self.session.world_size} samples")
 
@@ -437,7 +444,14 @@ class Trainer:
         self.metrics.pause()
         timing, self.timer.enabled = self.timer.enabled, False
         began = time.perf_counter()
-        self._train_step(micro_batches)
+        try:
+            self._train_step(micro_batches)
+        except Exception as exc:  # noqa: BLE001 - a compiler that fails here fails on every rank
+            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise DtrainError(f"training.compile={self.config.training.compile} failed while compiling the first "
+                              f"step ({type(exc).__name__}: {first}); set training.compile=none") from None
         if self.session.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - began
@@ -685,3 +699,7 @@ def _finite(tensors) -> bool:
 
     checks = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors]
     return bool(torch.stack(checks).all()) if checks else True
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"

@@ -86,12 +86,13 @@ def main(mode: str, out: Path) -> None:
         train(out / "ddp_compiled", "ddp", compile="model")
         train(out / "parted", sharded, stop_at_step=3)
         train(out / "parted", sharded)  # resumes from step-3
-        try:
-            cfg = config(out / "no_units", "fsdp")
-            cfg.distributed.fsdp_units = ["Nowhere"]
-            dtrain.Trainer(cfg, model=model(), train_data=tokens(96, 0)).setup()
-        except DtrainError as exc:
-            results["bad_units"] = str(exc)
+        for name, units in (("bad_units", ["Nowhere"]), ("tied_units", ["Linear"]), ("container_units", ["ModuleList"])):
+            try:
+                cfg = config(out / name, "fsdp")
+                cfg.distributed.fsdp_units = units
+                dtrain.Trainer(cfg, model=model(), train_data=tokens(96, 0)).setup()
+            except DtrainError as exc:
+                results[name] = str(exc)
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -25,6 +25,8 @@ class Position:
     # fp16: steps GradScaler skipped that the LR schedule has not yet taken back (it does so at log
     # steps); a resume must take them back at the same log step as the run it continues.
     unscheduled_skips: int = 0
+    # How the checkpoint's run was spread and compiled (Parts.setup), for the resume to say what changed.
+    setup: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,6 +43,8 @@ class Parts:
     # What a resume must not change, by config key (optimizer.name, run.seed, the data): the state or
     # the position in the checkpoint means nothing under another. Compared on load.
     identity: dict[str, Any] = field(default_factory=dict)
+    # What may change on resume and is said when it does (distributed.strategy, training.compile, ...).
+    setup: dict[str, Any] = field(default_factory=dict)
 
 
 def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
@@ -63,8 +67,8 @@ _WHY = {"optimizer.name": "its optimizer state does not carry over to another op
 
 
 def world_size_mismatch(name: str, saved: int, now: int) -> str:
-    return (f"checkpoint {name} was written by {saved} processes and this run has {now}; resume with {saved} "
-            f"processes (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
+    return (f"checkpoint {name} was written by {saved} process{'es' if saved != 1 else ''} and this run has {now}; "
+            f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
             f"(token data, data.name=tokens, resumes on any number), or start a new run.dir")
 
 

@@ -75,6 +75,7 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
         trainer = {
             **meta,
             "unscheduled_skips": position.unscheduled_skips,
+            "setup": parts.setup,
             "optimizer": {"param_groups": optim_state["param_groups"], "state": leftovers},
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(),
@@ -155,7 +156,7 @@ def load(folder: Path, parts: Parts) -> Position:
                               f"run.dir") from None
     _load_rng(rng, _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
-                    unscheduled_skips=trainer.get("unscheduled_skips", 0))
+                    unscheduled_skips=trainer.get("unscheduled_skips", 0), setup=trainer.get("setup", {}))
 
 
 def _trainer_problem(trainer: Any) -> str | None:
@@ -173,7 +174,7 @@ def _trainer_problem(trainer: Any) -> str | None:
             and isinstance(optimizer.get("param_groups"), list)
             and all(isinstance(g, dict) for g in optimizer["param_groups"])):
         return "its optimizer entry is malformed"
-    for key in ("scheduler", "scaler", "identity"):
+    for key in ("scheduler", "scaler", "identity", "setup"):
         if not isinstance(trainer.get(key, {}), dict):
             return f"its {key} entry is not an object"
     return None

@@ -27,7 +27,7 @@ def build(config: Config, session: Session, module: nn.Module, timer: StepTimer)
     problem = check_sharding(config, session.world_size, session.env.local_world_size)
     if problem:
         raise ConfigError(problem)
-    units = blocks.prepare(module, config, session.device)  # activation checkpointing, compile
+    units = blocks.prepare(module, config, session.device, quiet=session.rank != 0)  # checkpointing, compile
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
     if config.distributed.strategy in ("fsdp", "hsdp"):

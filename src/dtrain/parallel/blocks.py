@@ -19,8 +19,10 @@ the plain model, and the strategy's hooks (FSDP's gathers, DDP's) stay outside t
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
+import subprocess
 from typing import Any, Callable
 
 import torch
@@ -31,8 +33,9 @@ from ..config import Config
 from ..errors import ConfigError
 
 
-def prepare(module: nn.Module, config: Config, device: torch.device) -> list[nn.Module]:
-    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (FSDP's units)."""
+def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool = False) -> list[nn.Module]:
+    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (FSDP's units).
+    `quiet`: a rank other than 0, which need not repeat torch's warnings."""
     tc = config.training
     needs_blocks = (config.distributed.strategy in ("fsdp", "hsdp") or tc.activation_checkpointing != "none"
                     or tc.compile == "blocks")
@@ -50,6 +53,10 @@ def prepare(module: nn.Module, config: Config, device: torch.device) -> list[nn.
         problem = compiler_problem(device)
         if problem:
             raise ConfigError(problem)
+        if tc.activation_checkpointing == "selective" and quiet:
+            # torch warns, on every rank, that a selectively checkpointed region must not hold in-place
+            # ops: once is enough.
+            logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
         for target in (blocks if tc.compile == "blocks" else [module]):
             target.forward = torch.compile(target.forward)
     return blocks
@@ -65,11 +72,20 @@ def compiler_problem(device: torch.device | str) -> str | None:
             return ("training.compile needs Triton to build GPU kernels and it is not installed: "
                     "pip install triton, or set training.compile=none")
         return None
-    cxx = os.environ.get("CXX") or "g++"
+    cxx = os.environ.get("CXX", "g++")  # what inductor will run
+    named = "(from CXX) " if "CXX" in os.environ else ""
+    if not cxx.strip():
+        return "training.compile needs a C++ compiler and CXX is set but empty: unset it or point it at g++"
     if shutil.which(cxx) is None:
-        return (f"training.compile needs a C++ compiler to build CPU code and '{cxx}' "
-                f"{'(from CXX) ' if os.environ.get('CXX') else ''}is not on PATH: install g++ (or point CXX at "
-                f"one), or set training.compile=none")
+        return (f"training.compile needs a C++ compiler to build CPU code and '{cxx}' {named}is not on PATH: "
+                f"install g++ (or point CXX at one), or set training.compile=none")
+    try:
+        works = subprocess.run([cxx, "--version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    if not works:
+        return (f"training.compile needs a C++ compiler and '{cxx}' {named}does not run as one ({cxx} --version "
+                f"failed): point CXX at a working g++, or set training.compile=none")
     return None
 
 
@@ -82,10 +98,33 @@ def find_blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ConfigError(f"distributed.fsdp_units = {names} names no module of this model; its module "
                               f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
+        containers = sorted({type(b).__name__ for b in blocks if type(b).forward is nn.Module.forward})
+        if containers:  # a ModuleList's forward is never called: there is nothing to wrap
+            inner = sorted({type(m).__name__ for b in blocks for m in b.children()})
+            raise ConfigError(f"distributed.fsdp_units names {', '.join(containers)}, a container whose forward is "
+                              f"never called; name the block class inside it ({', '.join(inner[:3]) or 'none'})")
         if blocks:
             return _outermost(blocks)
     return [m for lists in module.modules() if isinstance(lists, nn.ModuleList) for m in lists
             if any(True for _ in m.parameters())]
+
+
+def check_unshared(module: nn.Module, blocks: list[nn.Module]) -> None:
+    """FSDP shards each block's parameters on their own: a parameter a block shares with a module outside
+    it (tied embeddings) cannot be a block's. Refused in one line, naming both places."""
+    names = {id(m): name for name, m in module.named_modules()}
+    owners: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for block in blocks:
+        prefix = names[id(block)] + "."
+        for param in block.parameters():
+            outside = [n for n in owners[id(param)] if not n.startswith(prefix)]
+            if outside:
+                inside = next(n for n in owners[id(param)] if n.startswith(prefix))
+                raise ConfigError(f"distributed.fsdp_units makes {names[id(block)]} ({type(block).__name__}) a unit, and "
+                                  f"its {inside} is shared with {outside[0]} outside it (tied weights); name a "
+                                  f"block class that holds both, or leave distributed.fsdp_units empty")
 
 
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:

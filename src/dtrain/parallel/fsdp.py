@@ -20,6 +20,7 @@ from ..config import Config
 from ..distributed import Session
 from ..errors import ConfigError
 from .base import Strategy
+from .blocks import check_unshared
 
 
 class FSDP(Strategy):
@@ -37,6 +38,7 @@ class FSDP(Strategy):
                 raise ConfigError("distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
                                   "the CPU, and this job trains on the CPU already; set it to false")
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+        check_unshared(module, units)
         for unit in units:
             fully_shard(unit, **options)
         fully_shard(module, **options)
