@@ -148,7 +148,7 @@ def finite_weights(folder) -> bool:
 
     reader = FileSystemReader(folder / "state")
     items = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in items.items() if k.startswith("model/")}
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in items.items() if k.startswith("model.")}
     load(state, storage_reader=reader, no_dist=True)
     return all(torch.isfinite(t).all() for t in state.values())
 

@@ -66,6 +66,60 @@ def test_the_checkpoint_reader_refuses_a_pickle_that_would_run_code(tmp_path):
                                               r"(posix|os)\.system\)"):
         SafeReader(state).read_metadata()
     assert not marker.exists()  # nothing ran
+    # Harmless objects that are not DCP's metadata are refused as plainly, not met later by a traceback.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    for thing, named in (({"state_dict_metadata": {}}, "a dict, not DCP's Metadata"),
+                         (MetadataIndex("model.weight"), "a MetadataIndex, not DCP's Metadata")):
+        (state / ".metadata").write_bytes(pickle.dumps(thing))
+        with pytest.raises(CheckpointError, match=re.escape(f"is not DCP metadata dtrain can trust ({named})")):
+            SafeReader(state).read_metadata()
+
+
+def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path):
+    """dtrain 0.2 named its DCP tensors itself ("model/<fqn>", "optimizer/<fqn>/<name>"); checkpoints now
+    keep DCP's own nested paths. A 0.2 checkpoint (rewritten here from a new one, key by key, and sealed
+    again) still resumes, to the very weights of the run never stopped."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from dtrain.checkpoint.files import MARKER, manifest
+    from dtrain.checkpoint.store import CheckpointStore
+
+    adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
+    whole = tmp_path / "whole"
+    dtrain.Trainer(config(whole, **adamw), model=model(), train_data=data()).fit()
+    run_dir = tmp_path / "run"
+    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+                   model=model(), train_data=data()).fit()
+    folder = run_dir / "checkpoints" / "step-7"
+    items = FileSystemReader(folder / "state").read_metadata().state_dict_metadata
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()}
+    dcp_load(state, storage_reader=FileSystemReader(folder / "state"), no_dist=True)
+    assert {key.split(".")[0] for key in state} == {"model", "optimizer"}
+    assert any(key.endswith(".exp_avg_sq") for key in state)
+    old = {}
+    for key, tensor in state.items():
+        if key.startswith("model."):
+            old["model/" + key[len("model."):]] = tensor
+        else:
+            fqn, name = key[len("optimizer.state."):].rsplit(".", 1)
+            old[f"optimizer/{fqn}/{name}"] = tensor
+    shutil.rmtree(folder / "state")
+    dcp_save(old, storage_writer=FileSystemWriter(folder / "state"), no_dist=True)
+    marker = json.loads((folder / MARKER).read_text())
+    files = {name: entry for name, entry in manifest(folder).items() if name != MARKER}
+    (folder / MARKER).write_text(json.dumps({**marker, "files": files}))
+    assert CheckpointStore(run_dir).newest().step == 7  # sealed as dtrain 0.2 would have left it
+
+    dtrain.Trainer(config(run_dir, **adamw), model=model(), train_data=data()).fit()
+    from safetensors.torch import load_file
+
+    resumed, expected = load_file(run_dir / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
 
 
 # --- no host read inside the step -----------------------------------------------------------------

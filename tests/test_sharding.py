@@ -62,6 +62,22 @@ def test_each_rank_holds_half_the_parameters_and_optimizer_state(fsdp):
         assert whole > 0 and held == pytest.approx(whole / 2, rel=0.05)
 
 
+def test_fsdp_communication_reads_not_measured_rather_than_zero(fsdp):
+    """FSDP's collectives run inside forward and backward: the step breakdown cannot tell them apart from
+    compute, so metrics.jsonl leaves comm_ms out (DDP's is measured), the console and `dtrain report`
+    say so, and the other phases are still there."""
+    out, _, console = fsdp
+    for record in train_lines(out / "ddp_plain"):
+        assert record["comm_ms"] >= 0 and record["compute_ms"] > 0
+    for record in train_lines(out / "fsdp_plain"):
+        assert "comm_ms" not in record and record["compute_ms"] > 0 and record["step_ms"] > 0
+    assert re.search(r"step [0-9.]+ ms = data [0-9.]+ \+ compute [0-9.]+ \+ comm not measured \+ optimizer", console)
+    ok(dtrain("report", str(out / "fsdp_plain")))
+    summary = (out / "fsdp_plain" / "report" / "summary.txt").read_text()
+    assert "communication share: not measured (a sharded strategy's collectives run inside forward" in summary
+    assert (out / "fsdp_plain" / "report" / "step_time.png").stat().st_size > 0
+
+
 def test_fsdp_resumes_bitwise(fsdp):
     out, _, _ = fsdp
     assert [m["loss"] for m in train_lines(out / "parted")] == [m["loss"] for m in train_lines(out / "fsdp_plain")]

@@ -208,7 +208,8 @@ class ProfileConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = setting(0, "Write a checkpoint every this many optimizer steps and at the end "
-                               "(0: only on SIGTERM or training.stop_at_step).", min=0)
+                               "(0: only on SIGTERM or training.stop_at_step, and at the end of a run "
+                               "that resumed from one, so that a rerun finds it complete).", min=0)
     keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).",
                         min=1)
     resume: Literal["auto", "yes", "no"] = setting(

@@ -95,9 +95,8 @@ class StepMetrics:
         # it, so the phases can never add up to more than the step time they break down.
         own_seconds = max(time.perf_counter() - self._start, 1e-9)
         split = [phases[p] for p in PHASES] if phases else []
-        held = self.held if self.held is not None else (0, 0, 0)
         measured = self.held is not None and self.peak is not None
-        memory = [*held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
+        memory = [*self.held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
         local = torch.tensor([0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory,
                               *split], dtype=torch.float64, device=self.device)
         for column, total in ((_LOSS, self.loss_sum), (_NORM, self.norm_sum), (_NORMS, self.norm_count),
@@ -143,7 +142,8 @@ class StepMetrics:
         slow = stragglers(busy, self.margin) if self._windows > 0 else []
         out: dict[str, Any] = {
             "step_ms": 1000 * mean(_OWN_SECONDS) / max(steps, 1),
-            **{f"{p}_ms": mean(column) for p, column in phase.items()},
+            **{f"{p}_ms": mean(column) for p, column in phase.items()
+               if not (p == "comm" and self.timer.comm_inside_compute)},  # counted as compute, not 0
             "rank_busy_ms": busy,
         }
         if slow:

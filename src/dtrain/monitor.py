@@ -152,8 +152,9 @@ def format_record(record: dict[str, Any]) -> str:
         if record.get(key) is not None:
             parts.append(fmt.format(record[key]))
             if key == "step_ms":  # where the step went
-                parts[-1] += " = " + " + ".join(f"{name} {record[f'{name}_ms']:.1f}"
-                                                for name in ("data", "compute", "comm", "optimizer"))
+                parts[-1] += " = " + " + ".join(
+                    f"{name} {record[f'{name}_ms']:.1f}" if f"{name}_ms" in record else f"{name} not measured"
+                    for name in ("data", "compute", "comm", "optimizer"))
     return " | ".join(parts)
 
 

@@ -71,12 +71,15 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
         return None
     kept = {k: record[k] for k in ("step", "epoch", *required)}
     kept.update({k: record[k] for k in optional if _number(record.get(k))})
-    timing = ("step_ms", *(f"{p}_ms" for p in PHASES))
+    # comm_ms is absent where it is not measured (FSDP): the other phases are still plotted.
+    timing = ("step_ms", *(f"{p}_ms" for p in PHASES if p != "comm"))
     busy = record.get("rank_busy_ms")
     ranks = next((len(r["rank_busy_ms"]) for r in earlier if "rank_busy_ms" in r), None)
     if (all(_number(record.get(k)) for k in timing) and isinstance(busy, list) and busy
             and all(_number(b) for b in busy) and ranks in (None, len(busy))):
         kept.update({k: record[k] for k in timing}, rank_busy_ms=busy)
+        if _number(record.get("comm_ms")):
+            kept["comm_ms"] = record["comm_ms"]
     sizes = [record.get(name) for name in memory_fields]  # the first log step's, per rank
     ranks = len(kept.get("rank_busy_ms", sizes[0] if isinstance(sizes[0], list) else []))
     if all(isinstance(v, list) and v and len(v) == ranks and all(_number(b) and 0 <= b < 2**60 for b in v)
@@ -128,8 +131,9 @@ def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     timed = [r for r in train if "step_ms" in r]
     if timed:
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        ax.stackplot([r["step"] for r in timed], *[[r[f"{p}_ms"] for r in timed] for p in PHASES],
-                     labels=PHASES)
+        phases = _measured_phases(timed)
+        ax.stackplot([r["step"] for r in timed], *[[r[f"{p}_ms"] for r in timed] for p in phases],
+                     labels=phases)
         ax.plot([r["step"] for r in timed], [r["step_ms"] for r in timed], "k--", label="step (wall)")
         ax.set_xlabel("step")
         ax.set_ylabel("ms per step")
@@ -165,6 +169,11 @@ def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def _measured_phases(timed: list[dict[str, Any]]) -> list[str]:
+    """The phases every timed record has (under FSDP, communication is not told apart from compute)."""
+    return [p for p in PHASES if all(f"{p}_ms" in r for r in timed)]
+
+
 def summary(records: list[dict[str, Any]]) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
@@ -180,9 +189,11 @@ def summary(records: list[dict[str, Any]]) -> str:
     timed = [r for r in steady if "step_ms" in r]
     if timed:
         step = statistics.mean(r["step_ms"] for r in timed)
-        shares = {p: statistics.mean(r[f"{p}_ms"] for r in timed) / step for p in PHASES}
+        shares = {p: statistics.mean(r[f"{p}_ms"] for r in timed) / step for p in _measured_phases(timed)}
         lines.append(f"mean step: {step:.2f} ms — " + ", ".join(f"{p} {s:.0%}" for p, s in shares.items()))
-        lines.append(f"communication share: {shares['comm']:.0%} of step time")
+        lines.append(f"communication share: {shares['comm']:.0%} of step time" if "comm" in shares else
+                     "communication share: not measured (a sharded strategy's collectives run inside forward "
+                     "and backward, counted as compute)")
     if any("mfu" in r for r in steady):
         lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
     measured = [r for r in train if "param_bytes" in r]

@@ -58,6 +58,9 @@ class StepTimer:
         self._last_launch = None
         self._sync_s = 0.0
         self.comm_source: Callable[[], float | None] | None = None  # seconds per step, when no hook times it
+        # FSDP's gathers and reduce-scatters run inside forward and backward, overlapped with them:
+        # nothing here can tell them from compute, so the breakdown leaves comm out rather than show 0.
+        self.comm_inside_compute = False
 
     def _mark(self):
         if self.cuda:

@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -296,10 +297,9 @@ class Trainer:
         Raises `Preempted` after writing a checkpoint when the job receives SIGTERM.
         """
         self.setup()
-        cfg = self.config.training
         last: dict[str, Any] = {}
         together = False  # whether every rank leaves this loop in step
-        compiling = self.config.training.compile != "none"
+        compiling = self.config.training.compile != "none"  # torch.compile compiles on the first call
         stop = StopRequest()
         stop.install()
         self.watch.start()
@@ -307,53 +307,37 @@ class Trainer:
         self.metrics.restart()
         try:
             self.model.train()
+            batches = self._batch_stream()
+            if self.step < self.total_steps:
+                last = self._end_epoch_if_done(last)  # resumed where an epoch ended: its evaluation first
             while self.step < self.total_steps:
-                start = self.step - self.epoch * self.train_batches.steps_per_epoch
-                batches = iter(self.train_batches.epoch(self.epoch, start_step=start))
-                while True:
-                    self.profiler.before_step(self.step + 1)
-                    self.timer.start()
-                    micro_batches = next(batches, None)
-                    if micro_batches is None:
-                        break
-                    self.timer.data_ready()
-                    if compiling:  # torch.compile compiles on the first call
-                        compiling = False
-                        self._compiling_step(micro_batches)
-                    else:
-                        self._train_step(micro_batches)
-                    self.step += 1
-                    self.monitor.advance()
-                    stopping = False
-                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        last, stopping = self._log_train(stop.requested)
-                    elif self.session.world_size == 1:
-                        stopping = stop.requested  # nobody to agree with: check every step
-                    if stopping and self.step < self.total_steps:
-                        self._save_checkpoint()
-                        together = True
-                        raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
-                                        f"{self.checkpointer.store.root}/step-{self.step}; rerun the same "
-                                        f"command to resume")
-                    if self._checkpoint_due():
-                        self._save_checkpoint()
-                    if self.step == cfg.stop_at_step:
-                        if self.checkpointer.last_saved_step != self.step:
-                            self._save_checkpoint()
-                        self.monitor.info(f"stopped at step {self.step} as training.stop_at_step asks; "
-                                          f"resume to continue")
-                        distributed.barrier()
-                        together = True
-                        return last
-                    if self.step == self.total_steps:
-                        break
-                epoch_done = self.step % self.train_batches.steps_per_epoch == 0
-                if epoch_done:
-                    self.epoch += 1
-                if self._should_evaluate(epoch_done):
-                    last = {**last, **self._log_eval()}
-            if self.config.checkpoint.every_steps and self.checkpointer.last_saved_step != self.step:
-                self._save_checkpoint()
+                self.profiler.before_step(self.step + 1)
+                self.timer.start()
+                micro_batches = next(batches)
+                self.timer.data_ready()
+                if compiling:
+                    compiling = False
+                    self._compiling_step(micro_batches)
+                else:
+                    self._train_step(micro_batches)
+                self.step += 1
+                self.monitor.advance()
+                last, stopping = self._log_if_due(last, stop)
+                halting = self.step == self.config.training.stop_at_step and self.step < self.total_steps
+                if self.checkpointer.due(self.step, last=self.step == self.total_steps, forced=stopping or halting):
+                    self._save_checkpoint()
+                if stopping:
+                    together = True
+                    raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
+                                    f"{self.checkpointer.store.root}/step-{self.step}; rerun the same command to "
+                                    f"resume")
+                if halting:
+                    self.monitor.info(f"stopped at step {self.step} as training.stop_at_step asks; resume to "
+                                      f"continue")
+                    distributed.barrier()
+                    together = True
+                    return last
+                last = self._end_epoch_if_done(last)
             self._write_final_weights()
             distributed.barrier()
             together = True
@@ -370,6 +354,34 @@ class Trainer:
                 self._forget_a_run_that_trained_nothing()
             self._lock.release()
             distributed.stop(self.session, together)
+        return last
+
+    def _batch_stream(self) -> Iterator[list[Any]]:
+        """Every step's micro-batches from this run's position on, one epoch's order after the next
+        (each epoch shuffled by its number, so a resumed run sees the batches it would have)."""
+        per_epoch = self.train_batches.steps_per_epoch
+        for epoch in itertools.count(self.step // per_epoch):
+            yield from self.train_batches.epoch(epoch, start_step=max(0, self.step - epoch * per_epoch))
+
+    def _log_if_due(self, last: dict[str, Any], stop: StopRequest) -> tuple[dict[str, Any], bool]:
+        """The step's record at `training.log_every` steps and the last, and whether the group stops
+        (SIGTERM) before its planned end: the log step's gather carries every rank's stop request, so
+        all agree; a lone process has nobody to agree with and checks every step."""
+        stopping = False
+        if self.step % self.config.training.log_every == 0 or self.step == self.total_steps:
+            last, stopping = self._log_train(stop.requested)
+        elif self.session.world_size == 1:
+            stopping = stop.requested
+        return last, stopping and self.step < self.total_steps
+
+    def _end_epoch_if_done(self, last: dict[str, Any]) -> dict[str, Any]:
+        """At the end of an epoch, count it and evaluate when `training.eval_every` asks (and after the
+        last step in any case)."""
+        epoch_done = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
+        if epoch_done:
+            self.epoch += 1
+        if self._should_evaluate(epoch_done):
+            last = {**last, **self._log_eval()}
         return last
 
     def _write_final_weights(self) -> None:
@@ -403,10 +415,6 @@ class Trainer:
         raise DtrainError(f"could not write {path} ({error}); the trained state is safe in "
                           f"{self.checkpointer.store.root}/step-{self.step}: make room (or move what is in "
                           f"the way) and rerun the same command to write the weights")
-
-    def _checkpoint_due(self) -> bool:
-        every = self.config.checkpoint.every_steps
-        return bool(every) and self.step % every == 0 and self.step < self.total_steps
 
     def _save_checkpoint(self) -> None:
         self.metrics.pause()

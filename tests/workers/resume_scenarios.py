@@ -69,6 +69,10 @@ def main(out: Path) -> None:
         second.setup()
         resumed_at = second.step
         second.fit()
+        # The same command once more: the run is complete (its end was checkpointed because it had a
+        # checkpoint), so nothing trains again.
+        third = dtrain.Trainer(config(broken, overrides), model=model(seed=7), train_data=data)
+        third.fit()
         w1 = load_file(str(out / name / "unbroken" / "model.safetensors"))
         w2 = load_file(str(broken / "model.safetensors"))
         results[name] = {
@@ -79,6 +83,7 @@ def main(out: Path) -> None:
             "forwards": [unbroken.module.forwards, first.module.forwards, second.module.forwards],
             "equal": all(torch.equal(w1[k], w2[k]) for k in w1),
             "checkpoints": sorted(p.name for p in (broken / "checkpoints").iterdir()),
+            "rerun": [third.step, third.module.forwards],
         }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))

@@ -14,7 +14,7 @@ from ..config import CheckpointConfig, Config
 from ..distributed import first_error, from_rank0
 from .files import RunDirLock, atomic_write_text, save_final_weights
 from .state import Parts, Position, regroup
-from .store import Checkpoint, CheckpointError, CheckpointStore, marker_problem
+from .store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
            "Position", "RunDirLock", "atomic_write_text", "resume_geometry", "save_final_weights",
@@ -36,6 +36,16 @@ class Checkpointer:
         self.parts = parts
         self.is_main = parts.rank == 0
         self.last_saved_step: int | None = None
+
+    def due(self, step: int, *, last: bool, forced: bool) -> bool:
+        """The save policy, in one place (every rank decides alike). After step `step`, a checkpoint is
+        written when the run stops early (`forced`: SIGTERM, training.stop_at_step), every
+        `checkpoint.every_steps` steps, and at the `last` step when checkpoints are scheduled or this
+        run has one (a rerun would resume from it and train the end again) — never twice for a step."""
+        if step == self.last_saved_step:
+            return False
+        every = self.config.every_steps
+        return forced or bool(every and step % every == 0) or (last and (bool(every) or self.last_saved_step is not None))
 
     def find_resume_point(self) -> Checkpoint | None:
         """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""
@@ -78,14 +88,14 @@ class Checkpointer:
             try:
                 self.store.begin(step)
             except OSError as exc:
-                error = _describe(exc)
+                error = describe_failure(exc)
         error = first_error(error)  # also: the folder exists for everyone
         meta = None
         if error is None:
             try:
                 meta = save(self.store.partial_path(step), self.parts, position)
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, I/O errors
-                error = f"rank {self.parts.rank}: {_space_hint(self.store) or _describe(exc)}"
+                error = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
             error = first_error(error)
         checkpoint = Checkpoint(step, self.store.root / f"step-{step}")
         if error is None and self.is_main:
@@ -93,7 +103,7 @@ class Checkpointer:
                 checkpoint = self.store.commit(step, meta)
                 self.store.prune(self.config.keep)
             except OSError as exc:
-                error = _describe(exc)
+                error = describe_failure(exc)
         if error is not None:
             if self.is_main:
                 self.store.abandon(step)
@@ -171,20 +181,6 @@ def _space_hint(store: CheckpointStore) -> str:
     if free < needed:
         return f"No space left on device ({free:,} bytes free, a checkpoint takes about {needed:,})"
     return ""
-
-
-def _describe(exc: BaseException) -> str:
-    """The root cause of a (possibly DCP-wrapped) failure, in one line."""
-    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, stack)}
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
 
 
 def truncate_metrics(path: Path, step: int, drop_eval_at_step: bool) -> None:

@@ -147,3 +147,17 @@ def marker_problem(meta: Any, step: int) -> str | None:
                                             for k in ("bytes", "crc32")) for entry in files.values()):
         return "its file list is malformed"
     return None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The root cause of a (possibly DCP-wrapped) failure, in one line."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, stack)}
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

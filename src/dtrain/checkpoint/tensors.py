@@ -13,10 +13,14 @@ else. No pickle from a checkpoint is ever loaded unrestricted.
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import dataclasses
+import enum
 import json
 import os
 import pickle
 import random
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,12 +32,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .files import fsync_file, user_file_mode
 from .state import Parts, Position, identity_mismatch, regroup
-from .store import CheckpointError
+from .store import CheckpointError, describe_failure
 
 TENSORS = "state"
 TRAINER = "trainer.json"
@@ -43,26 +46,19 @@ _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
     """Write this rank's share of a checkpoint into `folder` (every rank calls it). Returns the
     marker metadata."""
-    model_state = parts.module.state_dict()
     untouched = not parts.optimizer.state  # no update applied yet (fp16 may skip the first steps)
-    optim_state = get_optimizer_state_dict(parts.module, parts.optimizer)
+    model_state, optim_state = get_state_dict(parts.module, parts.optimizer)
     if untouched:
         # DCP fills an empty optimizer by taking a step at lr 0 (AdamW's step count becomes 1, and
         # bias correction would differ from a run that never saved): undo that, save it empty.
         parts.optimizer.state.clear()
         optim_state["state"] = {}
-    tensors = {f"model/{k}": v.detach() for k, v in model_state.items()}
-    leftovers: dict[str, dict[str, Any]] = {}
-    for fqn, entries in optim_state["state"].items():
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer/{fqn}/{name}"] = value
-            else:
-                leftovers.setdefault(fqn, {})[name] = value
-    # Each tensor exists on every rank (DDP keeps replicas): DCP writes each one once.
+    tensors, leftovers = _split_tensors(optim_state["state"])
+    # DCP keys each tensor by its path in this nested dict ("model.<fqn>", "optimizer.state.<fqn>.<name>")
+    # and writes each once: DDP's replicas are deduplicated, FSDP's shards written by their owners.
     with _one_process_is_intended():
-        dcp.save({k: v.cpu() for k, v in tensors.items()}, storage_writer=FileSystemWriter(folder / TENSORS),
-                 no_dist=parts.world_size == 1)
+        dcp.save({"model": model_state, "optimizer": {"state": tensors}},
+                 storage_writer=FileSystemWriter(folder / TENSORS), no_dist=parts.world_size == 1)
     _save_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
     meta = {
         "step": position.step,
@@ -110,53 +106,87 @@ def load(folder: Path, parts: Parts) -> Position:
     if not rng.is_file():
         raise CheckpointError(f"{rng} is missing; delete {folder} to resume from an earlier checkpoint")
     reader = SafeReader(folder / TENSORS)
-    metadata = reader.read_metadata()
-    _check_model(folder, metadata, parts.module)
+    saved = reader.read_metadata().state_dict_metadata
+    layout = _Layout.of(saved)
 
-    model_state = parts.module.state_dict()
-    tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
-    optim_entries: dict[str, dict[str, Any]] = {
-        fqn: dict(entries) for fqn, entries in trainer["optimizer"]["state"].items()}
-    params = dict(parts.module.named_parameters())
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith("optimizer/"):
-            _, rest = key.split("/", 1)
-            fqn, name = rest.rsplit("/", 1)
-            param = params.get(fqn)
-            if isinstance(param, DTensor) and list(param.shape) == list(item.size):
-                # Shaped like its parameter (Adam's moments): sharded like it too under FSDP (a DTensor
-                # of the same layout), so DCP reads only this rank's part, from however it was saved.
-                placeholder = torch.empty_like(param.detach(), dtype=item.properties.dtype)
-            else:
-                placeholder = torch.empty(item.size, dtype=item.properties.dtype)
-            tensors[key] = placeholder
-            optim_entries.setdefault(fqn, {})[name] = placeholder
+    # DCP's own view of this run's model and optimizer gives the tensors to read into, each placed and
+    # sharded as this run holds it (FSDP's DTensors, on this run's mesh), whatever wrote the checkpoint:
+    # DCP reads only this rank's part, resharding across world sizes and strategies.
+    model_state, optim_state = get_state_dict(parts.module, parts.optimizer)
+    _check_model(folder, saved, model_state, layout)
+    optim_tensors, _ = _split_tensors(optim_state["state"])
+    saved_optimizer = any(layout.is_optimizer(key) for key in saved)
+    if not saved_optimizer:  # saved before any update: nothing of the optimizer to read
+        optim_tensors = {}
     with _one_process_is_intended():
-        dcp.load(tensors, storage_reader=reader, no_dist=parts.world_size == 1)  # in place
+        try:
+            dcp.load(layout.state(model_state, optim_tensors), storage_reader=reader,
+                     no_dist=parts.world_size == 1)  # in place
+        except (dcp.CheckpointException, RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {folder.name} does not fit this run's optimizer "
+                                  f"({describe_failure(exc)}); resume with the optimizer the checkpoint was trained "
+                                  f"with, or start a new run.dir") from None
 
-    # The tensors stay on the CPU as read: Optimizer.load_state_dict moves each to where the optimizer
-    # keeps it — moments beside their parameter, AdamW's `step` on the CPU (unless fused/capturable),
-    # where reading it costs no device sync.
     groups = trainer["optimizer"]["param_groups"]
-    for saved, live in zip(groups, parts.optimizer.param_groups):
+    for saved_group, live in zip(groups, parts.optimizer.param_groups):
         # How the optimizer computes is this run's choice (fused on CUDA, not on the CPU), not the
         # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
-        saved.update({key: live[key] for key in _IMPLEMENTATION if key in live})
-    optim_state = {"state": optim_entries, "param_groups": groups}
+        saved_group.update({key: live[key] for key in _IMPLEMENTATION if key in live})
+    entries = {fqn: dict(values) for fqn, values in trainer["optimizer"]["state"].items()}
+    for fqn, values in optim_tensors.items():
+        entries.setdefault(fqn, {}).update(values)
     try:
-        set_optimizer_state_dict(parts.module, parts.optimizer, optim_state)
-        if not optim_entries:
+        set_state_dict(parts.module, parts.optimizer, model_state_dict=model_state,
+                       optim_state_dict={"state": entries, "param_groups": groups})
+        if not saved_optimizer:
             parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
         parts.scheduler.load_state_dict(trainer["scheduler"])
         if trainer.get("scaler"):
             parts.scaler.load_state_dict(trainer["scaler"])
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         raise CheckpointError(f"{folder / TRAINER} does not fit this run's optimizer or schedule ({type(exc).__name__}: "
                               f"{exc}); delete {folder} to resume from an earlier checkpoint, or start a new "
                               f"run.dir") from None
     _load_rng(rng, _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
                     unscheduled_skips=trainer.get("unscheduled_skips", 0), setup=trainer.get("setup", {}))
+
+
+def _split_tensors(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, Any]]]:
+    """An optimizer's per-parameter state split into its tensors (for DCP) and the rest (for trainer.json,
+    as JSON: no pickle in a checkpoint)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for fqn, values in state.items():
+        for name, value in values.items():
+            side = tensors if isinstance(value, torch.Tensor) else rest
+            side.setdefault(fqn, {})[name] = value
+    return tensors, rest
+
+
+class _Layout:
+    """Where a checkpoint keeps its tensors: DCP's paths of the nested state ("model.<fqn>",
+    "optimizer.state.<fqn>.<name>"), or dtrain 0.2's flat names ("model/<fqn>", "optimizer/<fqn>/<name>"),
+    still read so that no earlier checkpoint is lost."""
+
+    def __init__(self, flat: bool):
+        self.flat = flat
+        self.model_prefix = "model/" if flat else "model."
+
+    @classmethod
+    def of(cls, saved: dict[str, Any]) -> "_Layout":
+        return cls(flat=any(key.startswith("model/") for key in saved))
+
+    def is_optimizer(self, key: str) -> bool:
+        return key.startswith("optimizer/" if self.flat else "optimizer.state.")
+
+    def state(self, model: dict[str, Any], optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """The state to hand dcp.load, keyed as this checkpoint keys it (the same tensors either way)."""
+        if not self.flat:
+            return {"model": model, "optimizer": {"state": optim}}
+        flat = {f"model/{key}": value for key, value in model.items()}
+        flat.update({f"optimizer/{fqn}/{name}": value for fqn, values in optim.items() for name, value in values.items()})
+        return flat
 
 
 def _trainer_problem(trainer: Any) -> str | None:
@@ -202,12 +232,11 @@ def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None
                               f"(processes × data.batch_size × training.grad_accum_steps), or start a new run.dir")
 
 
-def _check_model(folder: Path, metadata: Metadata, module: nn.Module) -> None:
-    saved = {k[len("model/"):]: item for k, item in metadata.state_dict_metadata.items()
-             if k.startswith("model/")}
-    current = module.state_dict()
-    for key, tensor in current.items():
-        item = saved.get(key)
+def _check_model(folder: Path, saved: dict[str, Any], model_state: dict[str, Any], layout: _Layout) -> None:
+    prefix = layout.model_prefix
+    saved_model = {k[len(prefix):]: item for k, item in saved.items() if k.startswith(prefix)}
+    for key, tensor in model_state.items():
+        item = saved_model.get(key)
         if item is None:
             raise CheckpointError(f"checkpoint {folder.name} has no '{key}' for this run's model; resume "
                                   f"with the model the checkpoint was trained with, or start a new run.dir")
@@ -216,7 +245,7 @@ def _check_model(folder: Path, metadata: Metadata, module: nn.Module) -> None:
             raise CheckpointError(f"checkpoint {folder.name} holds '{key}' of shape {shape} and this run's "
                                   f"model has {list(tensor.shape)}; resume with the model settings the "
                                   f"checkpoint was trained with, or start a new run.dir")
-    extra = sorted(set(saved) - set(current))
+    extra = sorted(set(saved_model) - set(model_state))
     if extra:
         raise CheckpointError(f"checkpoint {folder.name} holds '{extra[0]}', which this run's model lacks; "
                               f"resume with the same model, or start a new run.dir")
@@ -268,25 +297,41 @@ def _load_rng(path: Path, device: torch.device) -> None:
 
 # --- reading DCP's metadata without unrestricted pickle ------------------------------------------------
 
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED = {
-    (f"{_DCP}.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+def _torch_reconstructors() -> set[Any]:
+    """The functions torch registers to rebuild its layouts and memory formats from a pickle (found
+    through copyreg, not named: they are private and may move)."""
+    found = set()
+    for example in (torch.strided, torch.contiguous_format):
+        reduce = copyreg.dispatch_table.get(type(example))
+        if reduce is not None:
+            found.add(reduce(example)[0])
+    return found
+
+
+_PLAIN = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Accepts DCP's metadata and nothing else, by rule rather than by name (DCP's classes are partly
+    private and change between torch versions): dataclasses and enums that torch.distributed.checkpoint
+    itself defines, torch's dtypes, layouts and memory formats, torch.Size, the functions torch registered to rebuild its layouts,
+    paths and OrderedDict. Anything else — a function, a class from elsewhere — is refused before it is
+    imported."""
+
+    _rebuild = _torch_reconstructors()
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _PLAIN or module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return super().find_class(module, name)
+        if module == "torch.distributed.checkpoint" or module.startswith("torch.distributed.checkpoint."):
+            found = getattr(sys.modules.get(module), name, None)  # only modules DCP has already imported
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        elif module.startswith("torch."):
+            found = getattr(sys.modules.get(module), name, None)
+            if found is not None and found in self._rebuild:
+                return found
         raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
 
 
@@ -298,7 +343,9 @@ class SafeReader(FileSystemReader):
         try:
             with open(path, "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)):
+                raise ValueError(f"a {type(metadata).__name__}, not DCP's Metadata")
+        except Exception as exc:  # noqa: BLE001 - whatever the bytes make the unpickler do: not trusted
             raise CheckpointError(f"{path} is not DCP metadata dtrain can trust ({exc}); delete "
                                   f"{path.parent.parent} to resume from an earlier checkpoint") from None
         if getattr(metadata, "storage_meta", None) is None:

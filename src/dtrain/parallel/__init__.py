@@ -33,6 +33,7 @@ def build(config: Config, session: Session, module: nn.Module, timer: StepTimer)
     if config.distributed.strategy in ("fsdp", "hsdp"):
         from .fsdp import FSDP
 
+        timer.comm_inside_compute = True
         return FSDP(module, session, config, units)
     from .ddp import DDP
 
