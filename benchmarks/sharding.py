@@ -1,5 +1,6 @@
 """Workload W2 under each way of spreading the model: tokens/s and what each rank holds, for dtrain with
-DDP, FSDP2, FSDP2 + activation checkpointing, compile, and Hugging Face Accelerate (its FSDP2 on GPUs;
+DDP, FSDP2, FSDP2 + activation checkpointing, FSDP2 keeping gathered parameters from forward to backward
+(reshard_after_forward = false, "zero2"), compile, and Hugging Face Accelerate (its FSDP2 on GPUs;
 its FSDP needs an accelerator, so on CPUs its DDP).
 
     pip install -e '.[bench]'                       # accelerate, for its variant
@@ -35,6 +36,7 @@ VARIANTS = {  # name → dtrain settings (None: Accelerate)
     "ddp": {},
     "fsdp": {"distributed": {"strategy": "fsdp"}},
     "fsdp+ac": {"distributed": {"strategy": "fsdp"}, "training": {"activation_checkpointing": "selective"}},
+    "fsdp-zero2": {"distributed": {"strategy": "fsdp", "reshard_after_forward": False}},
     "ddp+compile": {"training": {"compile": "blocks"}},
     "fsdp+compile": {"distributed": {"strategy": "fsdp"}, "training": {"compile": "blocks"}},
     "accelerate": None,  # FSDP2 on GPUs; on CPUs its DDP (see run_accelerate)

@@ -39,8 +39,11 @@ class FSDP(Strategy):
                                   "the CPU, and this job trains on the CPU already; set it to false")
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
         check_unshared(module, units)
-        for unit in units:
-            fully_shard(unit, **options)
+        for i, unit in enumerate(units):
+            # The last block's parameters would be gathered again at once, backward starting where the
+            # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
+            last = i == len(units) - 1
+            fully_shard(unit, **{**options, "reshard_after_forward": dc.reshard_after_forward and not last})
         fully_shard(module, **options)
         self.units = len(units)
 
