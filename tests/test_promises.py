@@ -76,6 +76,38 @@ def test_the_checkpoint_reader_refuses_a_pickle_that_would_run_code(tmp_path):
             SafeReader(state).read_metadata()
 
 
+class WithASpareLayer(torch.nn.Module):
+    """A model one of whose layers never takes part (a head kept for later): AdamW never gives it state."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.spare = model(), torch.nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_parameter_without_optimizer_state_resumes_bitwise(tmp_path):
+    """The checkpoint holds AdamW state for the layers that trained and none for the spare one; the resume
+    reads what is there (not what DCP's own initialisation of the optimizer would give every parameter) and
+    ends with the weights of the run never stopped."""
+    adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
+    whole, run_dir = tmp_path / "whole", tmp_path / "run"
+    dtrain.Trainer(config(whole, **adamw), model=WithASpareLayer(), train_data=data()).fit()
+    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+                   model=WithASpareLayer(), train_data=data()).fit()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(run_dir / "checkpoints" / "step-7" / "state").read_metadata().state_dict_metadata
+    assert "optimizer.state.net.0.weight.exp_avg" in saved and "model.spare.weight" in saved
+    assert not any(key.startswith("optimizer.state.spare.") for key in saved)
+    dtrain.Trainer(config(run_dir, **adamw), model=WithASpareLayer(), train_data=data()).fit()
+    from safetensors.torch import load_file
+
+    resumed, expected = load_file(run_dir / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
 def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path):
     """dtrain 0.2 named its DCP tensors itself ("model/<fqn>", "optimizer/<fqn>/<name>"); checkpoints now
     keep DCP's own nested paths. A 0.2 checkpoint (rewritten here from a new one, key by key, and sealed

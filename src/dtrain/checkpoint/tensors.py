@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .files import fsync_file, user_file_mode
 from .state import Parts, Position, identity_mismatch, regroup
@@ -114,10 +114,14 @@ def load(folder: Path, parts: Parts) -> Position:
     # DCP reads only this rank's part, resharding across world sizes and strategies.
     model_state, optim_state = get_state_dict(parts.module, parts.optimizer)
     _check_model(folder, saved, model_state, layout)
-    optim_tensors, _ = _split_tensors(optim_state["state"])
-    saved_optimizer = any(layout.is_optimizer(key) for key in saved)
-    if not saved_optimizer:  # saved before any update: nothing of the optimizer to read
-        optim_tensors = {}
+    # Only what the checkpoint holds: get_state_dict's zero-lr step gives every parameter optimizer state,
+    # and one that never had a gradient (unused, frozen in the user's step) has none in the checkpoint.
+    optim_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, values in _split_tensors(optim_state["state"])[0].items():
+        held = {name: tensor for name, tensor in values.items() if layout.optimizer_key(fqn, name) in saved}
+        if held:
+            optim_tensors[fqn] = held
+    saved_optimizer = any(layout.is_optimizer(key) for key in saved)  # none: saved before any update
     with _one_process_is_intended():
         try:
             dcp.load(layout.state(model_state, optim_tensors), storage_reader=reader,
@@ -136,8 +140,11 @@ def load(folder: Path, parts: Parts) -> Position:
     for fqn, values in optim_tensors.items():
         entries.setdefault(fqn, {}).update(values)
     try:
+        # Not strict: a parameter that never had a gradient has no optimizer state to set (the model's
+        # keys and shapes were checked above, by _check_model).
         set_state_dict(parts.module, parts.optimizer, model_state_dict=model_state,
-                       optim_state_dict={"state": entries, "param_groups": groups})
+                       optim_state_dict={"state": entries, "param_groups": groups},
+                       options=StateDictOptions(strict=False))
         if not saved_optimizer:
             parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
         parts.scheduler.load_state_dict(trainer["scheduler"])
@@ -180,12 +187,15 @@ class _Layout:
     def is_optimizer(self, key: str) -> bool:
         return key.startswith("optimizer/" if self.flat else "optimizer.state.")
 
+    def optimizer_key(self, fqn: str, name: str) -> str:
+        return f"optimizer/{fqn}/{name}" if self.flat else f"optimizer.state.{fqn}.{name}"
+
     def state(self, model: dict[str, Any], optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
         """The state to hand dcp.load, keyed as this checkpoint keys it (the same tensors either way)."""
         if not self.flat:
             return {"model": model, "optimizer": {"state": optim}}
         flat = {f"model/{key}": value for key, value in model.items()}
-        flat.update({f"optimizer/{fqn}/{name}": value for fqn, values in optim.items() for name, value in values.items()})
+        flat.update({self.optimizer_key(fqn, name): value for fqn, values in optim.items() for name, value in values.items()})
         return flat
 
 
