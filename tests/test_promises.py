@@ -108,17 +108,100 @@ def test_a_parameter_without_optimizer_state_resumes_bitwise(tmp_path):
     assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
 
 
+def reseal(folder):
+    """Seal checkpoint `folder` again over what is in it now, as a careless tool might after editing it:
+    what dtrain then reads is the edited content itself, past the integrity check."""
+    import json
+
+    from dtrain.checkpoint.files import MARKER, manifest
+
+    marker = json.loads((folder / MARKER).read_text())
+    files = {name: entry for name, entry in manifest(folder).items() if name != MARKER}
+    (folder / MARKER).write_text(json.dumps({**marker, "files": files}))
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A run of 20 steps stopped at step 7 (training.stop_at_step): its checkpoint, to copy and spoil."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    dtrain.Trainer(config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}), model=model(),
+                   train_data=data()).fit()
+    return run_dir
+
+
+def _edit_trainer_json(folder, change):
+    import json
+
+    trainer = json.loads((folder / "trainer.json").read_text())
+    change(trainer)
+    (folder / "trainer.json").write_text(json.dumps(trainer))
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr="fast")),
+     r"trainer.json is not what dtrain writes: optimizer setting lr is 'fast', not a finite number >= 0"),
+    (lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr=-1.0)),
+     r"trainer.json is not what dtrain writes: optimizer setting lr is -1.0, not a finite number >= 0"),
+    (lambda f: _edit_trainer_json(f, lambda t: t["scheduler"].update(last_epoch="x")),
+     r"trainer.json is not what dtrain writes: scheduler last_epoch is 'x', not a whole number"),
+    (lambda f: _edit_trainer_json(f, lambda t: t.update(step=19)),
+     r"trainer.json says step 19 and its folder is step-7: it was edited or copied from another checkpoint"),
+    (lambda f: [p.write_bytes(p.read_bytes()[:100]) for p in (f / "state").glob("*.distcp")],
+     r"checkpoint step-7's tensors in \S+/state cannot be read into this run \(.+\): damaged, or written for "
+     r"another optimizer; delete \S+/step-7 to resume from an earlier checkpoint"),
+    (lambda f: (f / "state" / ".metadata").write_bytes((f / "state" / ".metadata").read_bytes().replace(
+        b"__0_0.distcp", b"../_0.distcp")),  # the same length: the pickle stays whole
+     r"is not DCP metadata dtrain can trust \(it points at '../_0.distcp', outside \S+/state\)"),
+])
+def test_a_resealed_checkpoint_with_spoiled_contents_is_refused_in_one_line(stopped, tmp_path, spoil, message):
+    """Past the seal's checksums (resealed), what is read is judged itself: one line naming the file and
+    the way out, never a traceback, a file outside the checkpoint, or a resume that trains on in silence."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped, run_dir)
+    folder = run_dir / "checkpoints" / "step-7"
+    spoil(folder)
+    reseal(folder)
+    with pytest.raises(CheckpointError) as caught:
+        dtrain.Trainer(config(run_dir, training={"epochs": 2, "log_every": 5}), model=model(), train_data=data()).fit()
+    assert "\n" not in str(caught.value) and re.search(message, str(caught.value)), str(caught.value)
+    assert (folder / "trainer.json").is_file()  # the checkpoint is left for the user to judge
+
+
+def test_stop_at_step_already_reached_trains_nothing_and_one_beyond_the_end_checkpoints_it(stopped, tmp_path, capfd):
+    """Rerunning the stopping command (a requeue) does not train on past training.stop_at_step; a
+    stop_at_step beyond the run's end checkpoints the end, so the command without it finds the run
+    complete rather than refusing a run.dir without checkpoints."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped, run_dir)
+    capfd.readouterr()
+    for stop_at in (7, 5):
+        trainer = dtrain.Trainer(config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": stop_at}),
+                                 model=model(), train_data=data())
+        trainer.fit()
+        assert trainer.step == 7
+        assert (f"training.stop_at_step={stop_at} and the run is at step 7 already: nothing trained; rerun without "
+                f"it (or with a later step) to continue") in capfd.readouterr().err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-7"]
+    assert not (run_dir / "model.safetensors").exists()
+
+    beyond = tmp_path / "beyond"
+    dtrain.Trainer(config(beyond, training={"epochs": 2, "log_every": 5, "stop_at_step": 100}), model=model(),
+                   train_data=data()).fit()
+    assert sorted(p.name for p in (beyond / "checkpoints").iterdir()) == ["step-20"]
+    capfd.readouterr()
+    again = dtrain.Trainer(config(beyond), model=model(), train_data=data())
+    again.fit()
+    assert re.search(r"\(step 20 of 20, epoch \d\): the run is already complete", capfd.readouterr().err)
+
+
 def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path):
     """dtrain 0.2 named its DCP tensors itself ("model/<fqn>", "optimizer/<fqn>/<name>"); checkpoints now
     keep DCP's own nested paths. A 0.2 checkpoint (rewritten here from a new one, key by key, and sealed
     again) still resumes, to the very weights of the run never stopped."""
-    import json
-
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint import save as dcp_save
 
-    from dtrain.checkpoint.files import MARKER, manifest
     from dtrain.checkpoint.store import CheckpointStore
 
     adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
@@ -142,9 +225,7 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path)
             old[f"optimizer/{fqn}/{name}"] = tensor
     shutil.rmtree(folder / "state")
     dcp_save(old, storage_writer=FileSystemWriter(folder / "state"), no_dist=True)
-    marker = json.loads((folder / MARKER).read_text())
-    files = {name: entry for name, entry in manifest(folder).items() if name != MARKER}
-    (folder / MARKER).write_text(json.dumps({**marker, "files": files}))
+    reseal(folder)
     assert CheckpointStore(run_dir).newest().step == 7  # sealed as dtrain 0.2 would have left it
 
     dtrain.Trainer(config(run_dir, **adamw), model=model(), train_data=data()).fit()

@@ -176,6 +176,13 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
     assert eval_lines(tmp_path)[-1]["eval_loss"] == pytest.approx(eval_lines(whole)[-1]["eval_loss"], abs=1e-5)
     assert_weights_close(weights(tmp_path), weights(whole), atol=1e-5, rtol=0)
     assert f"grad_accum_steps = {accum}" in (tmp_path / "config.toml").read_text()
+    # The same command again: the run's end was checkpointed by the regrouped run (its own accumulation, not
+    # the config's); it is found complete, and nothing trains.
+    again = ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", str(nproc), f"run.dir={tmp_path}",
+                      f"distributed.strategy={strategy}"))
+    assert re.search(r"^resumed from \S+step-8 \(step 8 of 8, epoch \d+\): the run is already complete$", again.stderr,
+                     re.M), again.stderr
+    assert [m["loss"] for m in train_lines(tmp_path)] == losses
 
 
 def test_what_cannot_resume_on_another_number_of_processes_is_refused_by_the_launcher(tokens, whole, tmp_path):

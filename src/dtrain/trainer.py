@@ -25,7 +25,7 @@ from . import distributed, memory, parallel, perf, rundir
 from .amp import precision_for
 from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, Position, RunDirLock,
                          atomic_write_text, resume_geometry, save_final_weights, truncate_metrics)
-from .checkpoint.state import regroup
+from .checkpoint.state import processes, regroup
 from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TensorDict, TrainBatches
 from .data.sampler import GlobalOrderSampler
@@ -200,7 +200,7 @@ class Trainer:
 
     def _regroup(self) -> str | None:
         """Resuming a checkpoint written by another number of processes (a node lost for good, a job
-        requeued on another allocation): token data continues at the same global sample position with
+        requeued on another allocation), or with another data.batch_size: token data continues at the same global sample position with
         the same global batches, `training.grad_accum_steps` changed to make them up (see
         checkpoint.state.regroup); other data is refused. What changed, for the console, or None."""
         cfg, answer = self.config, (None, None)
@@ -220,9 +220,12 @@ class Trainer:
             return None
         name, saved_world, accum = found
         before, cfg.training.grad_accum_steps = cfg.training.grad_accum_steps, accum
-        return (f"{name} was written by {_processes(saved_world)} and this run has {self.session.world_size}: "
-                f"training.grad_accum_steps {before} → {accum} keeps its global batch of "
-                f"{accum * cfg.data.batch_size * self.session.world_size} samples")
+        world = self.session.world_size
+        why = (f"{name} was written by {processes(saved_world)} and this run has {world}" if saved_world != world
+               else f"{name} took global batches of {accum * cfg.data.batch_size * world} samples and "
+                    f"data.batch_size={cfg.data.batch_size} on {processes(world)} makes them up")
+        return (f"{why}: training.grad_accum_steps {before} → {accum} keeps its global batch of "
+                f"{accum * cfg.data.batch_size * world} samples")
 
     def _sampler(self) -> ShardSampler:
         """DistributedSampler's order; for data that asks for it (token windows) an order that does not
@@ -308,9 +311,10 @@ class Trainer:
         try:
             self.model.train()
             batches = self._batch_stream()
+            first_step = self.step
             if self.step < self.total_steps:
                 last = self._end_epoch_if_done(last)  # resumed where an epoch ended: its evaluation first
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self._stop_step_reached():
                 self.profiler.before_step(self.step + 1)
                 self.timer.start()
                 micro_batches = next(batches)
@@ -323,21 +327,26 @@ class Trainer:
                 self.step += 1
                 self.monitor.advance()
                 last, stopping = self._log_if_due(last, stop)
-                halting = self.step == self.config.training.stop_at_step and self.step < self.total_steps
-                if self.checkpointer.due(self.step, last=self.step == self.total_steps, forced=stopping or halting):
+                if self.checkpointer.due(self.step, last=self.step == self.total_steps,
+                                         forced=stopping or self._stop_step_reached()):
                     self._save_checkpoint()
                 if stopping:
                     together = True
                     raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
                                     f"{self.checkpointer.store.root}/step-{self.step}; rerun the same command to "
                                     f"resume")
-                if halting:
-                    self.monitor.info(f"stopped at step {self.step} as training.stop_at_step asks; resume to "
-                                      f"continue")
-                    distributed.barrier()
-                    together = True
-                    return last
+                if self.step < self.total_steps and self._stop_step_reached():
+                    break
                 last = self._end_epoch_if_done(last)
+            if self.step < self.total_steps:  # at training.stop_at_step
+                self.monitor.info(
+                    f"stopped at step {self.step} as training.stop_at_step asks; resume to continue"
+                    if self.step > first_step else
+                    f"training.stop_at_step={self.config.training.stop_at_step} and the run is at step {self.step} "
+                    f"already: nothing trained; rerun without it (or with a later step) to continue")
+                distributed.barrier()
+                together = True
+                return last
             self._write_final_weights()
             distributed.barrier()
             together = True
@@ -355,6 +364,12 @@ class Trainer:
             self._lock.release()
             distributed.stop(self.session, together)
         return last
+
+    def _stop_step_reached(self) -> bool:
+        """Whether the run has reached `training.stop_at_step` — or its end, where that lies beyond it (a
+        checkpoint is written there too, so the command without it continues or finds the run complete)."""
+        stop_at = self.config.training.stop_at_step
+        return stop_at > 0 and self.step >= min(stop_at, self.total_steps)
 
     def _batch_stream(self) -> Iterator[list[Any]]:
         """Every step's micro-batches from this run's position on, one epoch's order after the next
@@ -707,7 +722,3 @@ def _finite(tensors) -> bool:
 
     checks = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors]
     return bool(torch.stack(checks).all()) if checks else True
-
-
-def _processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"

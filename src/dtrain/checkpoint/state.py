@@ -78,25 +78,23 @@ def regroup(name: str, saved_world: int, saved_per_rank: int, world: int, batch_
     checkpoint `name` — taken by `saved_world` processes with `saved_per_rank` samples each per step —
     taking the same global batches; or a CheckpointError saying why it cannot.
 
-    At the same world size nothing changes. At another, only data served in a world-size-independent
-    order (`global_order`: token data) can continue where it stood, and only when whole accumulation
-    steps make up the checkpoint's global batch. `global_order` None: not known yet (the launcher, for a
-    data factory): only the arithmetic is checked."""
-    if world == saved_world:
-        if saved_per_rank != batch_size * accum:
-            raise CheckpointError(
-                f"checkpoint {name} took {saved_per_rank} samples per process per step and this run takes "
-                f"{batch_size * accum} (data.batch_size × training.grad_accum_steps); resume with the same "
-                f"values, or start a new run.dir")
-        return accum
-    if global_order is False:
+    Whole accumulation steps must make up the checkpoint's global batch: usually `accum` itself; another
+    where the batch size changed, or the checkpoint was itself taken after such a change (a run resumed
+    on fewer processes, checkpointed, then rerun). At another world size only data served in a
+    world-size-independent order (`global_order`: token data) can continue where it stood. `global_order`
+    None: not known yet (the launcher, for a data factory): only the arithmetic is checked."""
+    if world != saved_world and global_order is False:
         raise CheckpointError(world_size_mismatch(name, saved_world, world))
     global_batch = saved_world * saved_per_rank
     if global_batch % (batch_size * world):
         fits = [b for b in range(1, global_batch // world + 1) if global_batch % (b * world) == 0]
         raise CheckpointError(
-            f"checkpoint {name} trained on global batches of {global_batch} samples ({saved_world} processes × "
-            f"{saved_per_rank}); {world} processes with data.batch_size={batch_size} cannot make that up in "
+            f"checkpoint {name} trained on global batches of {global_batch} samples ({processes(saved_world)} × "
+            f"{saved_per_rank}); {processes(world)} with data.batch_size={batch_size} cannot make that up in "
             f"whole accumulation steps: " + (f"set data.batch_size to one of {fits[-4:]}" if fits else
                                              f"resume with a number of processes that divides {global_batch}"))
     return global_batch // (batch_size * world)
+
+
+def processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"

@@ -17,6 +17,7 @@ import copyreg
 import dataclasses
 import enum
 import json
+import math
 import os
 import pickle
 import random
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .files import fsync_file, user_file_mode
-from .state import Parts, Position, identity_mismatch, regroup
+from .state import Parts, Position, identity_mismatch
 from .store import CheckpointError, describe_failure
 
 TENSORS = "state"
@@ -96,6 +97,10 @@ def load(folder: Path, parts: Parts) -> Position:
     if problem:
         raise CheckpointError(f"{folder / TRAINER} is not what dtrain writes: {problem}; delete {folder} to "
                               f"resume from an earlier checkpoint")
+    if folder.name != f"step-{trainer['step']}":
+        raise CheckpointError(f"{folder / TRAINER} says step {trainer['step']} and its folder is {folder.name}: it "
+                              f"was edited or copied from another checkpoint; delete {folder} to resume from an "
+                              f"earlier checkpoint")
     problem = identity_mismatch(folder.name, trainer.get("identity") or {}, parts.identity)
     if problem:
         raise CheckpointError(problem)
@@ -126,10 +131,13 @@ def load(folder: Path, parts: Parts) -> Position:
         try:
             dcp.load(layout.state(model_state, optim_tensors), storage_reader=reader,
                      no_dist=parts.world_size == 1)  # in place
-        except (dcp.CheckpointException, RuntimeError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {folder.name} does not fit this run's optimizer "
-                                  f"({describe_failure(exc)}); resume with the optimizer the checkpoint was trained "
-                                  f"with, or start a new run.dir") from None
+        except (dcp.CheckpointException, RuntimeError, KeyError, ValueError, OSError, EOFError) as exc:
+            # The model's names and shapes matched: its tensor files are damaged (yet sealed to match), or
+            # its optimizer state is not this run's optimizer's.
+            raise CheckpointError(f"checkpoint {folder.name}'s tensors in {folder / TENSORS} cannot be read into "
+                                  f"this run ({describe_failure(exc)}): damaged, or written for another optimizer; "
+                                  f"delete {folder} to resume from an earlier checkpoint, or start a new "
+                                  f"run.dir") from None
 
     groups = trainer["optimizer"]["param_groups"]
     for saved_group, live in zip(groups, parts.optimizer.param_groups):
@@ -151,9 +159,9 @@ def load(folder: Path, parts: Parts) -> Position:
         if trainer.get("scaler"):
             parts.scaler.load_state_dict(trainer["scaler"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
-        raise CheckpointError(f"{folder / TRAINER} does not fit this run's optimizer or schedule ({type(exc).__name__}: "
-                              f"{exc}); delete {folder} to resume from an earlier checkpoint, or start a new "
-                              f"run.dir") from None
+        raise CheckpointError(f"checkpoint {folder.name} does not fit this run's optimizer or schedule "
+                              f"({type(exc).__name__}: {exc}); delete {folder} to resume from an earlier checkpoint, "
+                              f"or start a new run.dir") from None
     _load_rng(rng, _device_of(parts.module))
     return Position(step=trainer["step"], epoch=trainer["epoch"],
                     unscheduled_skips=trainer.get("unscheduled_skips", 0), setup=trainer.get("setup", {}))
@@ -217,7 +225,25 @@ def _trainer_problem(trainer: Any) -> str | None:
     for key in ("scheduler", "scaler", "identity", "setup"):
         if not isinstance(trainer.get(key, {}), dict):
             return f"its {key} entry is not an object"
+    for group in optimizer["param_groups"]:
+        for key, value in group.items():
+            if key != "params" and not (value is None or isinstance(value, bool) or _rate(value) or (
+                    isinstance(value, list) and value and all(_rate(v) for v in value))):
+                return f"optimizer setting {key} is {value!r}, not a finite number >= 0, true/false or a list of numbers"
+    scheduler = trainer.get("scheduler", {})
+    for key in ("last_epoch", "_step_count"):
+        value = scheduler.get(key, 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**53):
+            return f"scheduler {key} is {value!r}, not a whole number"
+    for key in ("base_lrs", "_last_lr"):
+        if not (isinstance(scheduler.get(key, []), list) and all(_rate(v) for v in scheduler.get(key, []))):
+            return f"scheduler {key} is {scheduler.get(key)!r}, not a list of finite numbers >= 0"
     return None
+
+
+def _rate(value: Any) -> bool:
+    """A finite number >= 0, as every optimizer and schedule setting dtrain saves is."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @contextlib.contextmanager
@@ -230,12 +256,10 @@ def _one_process_is_intended():
 
 
 def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:
-    """The same global batch per step. At another world size the trainer has already chosen the
-    accumulation that makes it up (`regroup`), or refused."""
+    """The same global batch per step (the trainer has already chosen the accumulation that makes it up,
+    `regroup`, or refused)."""
     saved_world, saved_per_rank = trainer["world_size"], trainer["samples_per_step"]
-    if saved_world == parts.world_size:
-        regroup(folder.name, saved_world, saved_per_rank, parts.world_size, parts.samples_per_step, 1, None)
-    elif saved_world * saved_per_rank != parts.world_size * parts.samples_per_step:
+    if saved_world * saved_per_rank != parts.world_size * parts.samples_per_step:
         raise CheckpointError(f"checkpoint {folder.name} trained on global batches of "
                               f"{saved_world * saved_per_rank} samples and this run takes "
                               f"{parts.world_size * parts.samples_per_step}; resume with the same global batch "
@@ -345,6 +369,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
 
 
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader, with its metadata read by the restricted unpickler above."""
 
@@ -354,7 +382,11 @@ class SafeReader(FileSystemReader):
             with open(path, "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
             if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)):
-                raise ValueError(f"a {type(metadata).__name__}, not DCP's Metadata")
+                raise ValueError(f"{_a(type(metadata).__name__)}, not DCP's Metadata")
+            for where in (metadata.storage_data or {}).values():  # files of this folder, nowhere else
+                name = getattr(where, "relative_path", None)
+                if not (isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")):
+                    raise ValueError(f"it points at {name!r}, outside {path.parent}")
         except Exception as exc:  # noqa: BLE001 - whatever the bytes make the unpickler do: not trusted
             raise CheckpointError(f"{path} is not DCP metadata dtrain can trust ({exc}); delete "
                                   f"{path.parent.parent} to resume from an earlier checkpoint") from None
