@@ -1,8 +1,8 @@
 """SIGTERM (a scheduler preempting the job) asks the run to stop at the next point the ranks agree on.
 
 The handler only sets a flag: the step in flight finishes, the ranks agree at the next logging
-all-reduce (every `training.log_every` steps; every step in a one-process run), write one checkpoint
-and exit with EXIT_REQUEUE.
+all-reduce (every `training.log_every` steps, sooner where steps are slow: Trainer._pace_stop_checks;
+every step in a one-process run), write one checkpoint and exit with EXIT_REQUEUE.
 """
 
 from __future__ import annotations

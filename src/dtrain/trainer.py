@@ -314,8 +314,10 @@ class Trainer:
             first_step = self.step
             if self.step < self.total_steps:
                 last = self._end_epoch_if_done(last)  # resumed where an epoch ended: its evaluation first
+            self._stop_check_every = self.config.training.log_every
             while self.step < self.total_steps and not self._stop_step_reached():
                 self.profiler.before_step(self.step + 1)
+                began = time.perf_counter()
                 self.timer.start()
                 micro_batches = next(batches)
                 self.timer.data_ready()
@@ -326,6 +328,8 @@ class Trainer:
                     self._train_step(micro_batches)
                 self.step += 1
                 self.monitor.advance()
+                if self.step == first_step + 2:  # the first step compiles and warms up: the second is typical
+                    self._pace_stop_checks(time.perf_counter() - began)
                 last, stopping = self._log_if_due(last, stop)
                 if self.checkpointer.due(self.step, last=self.step == self.total_steps,
                                          forced=stopping or self._stop_step_reached()):
@@ -387,7 +391,22 @@ class Trainer:
             last, stopping = self._log_train(stop.requested)
         elif self.session.world_size == 1:
             stopping = stop.requested
+        elif self.step % self._stop_check_every == 0:  # slow steps: see _pace_stop_checks
+            stopping = any(distributed.gather_objects(stop.requested))
         return last, stopping and self.step < self.total_steps
+
+    def _pace_stop_checks(self, seconds: float) -> None:
+        """After SIGTERM the ranks must agree to stop, and write the checkpoint, within
+        `checkpoint.preempt_grace_s`. They agree at log steps; where `training.log_every` steps of this
+        run's pace (the slowest rank's second step, agreed once: a collective) would take more than a
+        quarter of that grace, they also agree every so many steps between — one tiny gather per that
+        many slow steps. Fast steps keep log steps as the only agreement."""
+        log_every = self.config.training.log_every
+        if self.session.world_size == 1 or log_every == 1:
+            return
+        slowest = max(distributed.gather_objects(seconds))
+        affordable = int(self.config.checkpoint.preempt_grace_s / 4 / max(slowest, 1e-6))
+        self._stop_check_every = max(1, min(log_every, affordable))
 
     def _end_epoch_if_done(self, last: dict[str, Any]) -> dict[str, Any]:
         """At the end of an epoch, count it and evaluate when `training.eval_every` asks (and after the
