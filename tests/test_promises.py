@@ -167,6 +167,26 @@ def test_a_resealed_checkpoint_with_spoiled_contents_is_refused_in_one_line(stop
     assert (folder / "trainer.json").is_file()  # the checkpoint is left for the user to judge
 
 
+def test_a_resume_with_another_batch_size_keeps_the_global_batch(stopped, tmp_path, capfd):
+    """data.batch_size halved on resume: the accumulation doubles to keep the checkpoint's global batch
+    (said in one line), and the run ends where the one never stopped does (summed in another order)."""
+    whole = tmp_path / "whole"
+    dtrain.Trainer(config(whole, training={"epochs": 2, "log_every": 5}), model=model(), train_data=data()).fit()
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped, run_dir)
+    capfd.readouterr()
+    trainer = dtrain.Trainer(config(run_dir, data={"batch_size": 8}, training={"epochs": 2, "log_every": 5}),
+                             model=model(), train_data=data())
+    trainer.fit()
+    assert ("step-7 took global batches of 16 samples: with data.batch_size=8 on 1 process, "
+            "training.grad_accum_steps 1 → 2 keeps them") in capfd.readouterr().err
+    assert trainer.step == 20 and trainer.config.training.grad_accum_steps == 2
+    from safetensors.torch import load_file
+
+    resumed, expected = load_file(run_dir / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert all(torch.allclose(resumed[k], expected[k], atol=1e-6, rtol=0) for k in expected)
+
+
 def test_stop_at_step_already_reached_trains_nothing_and_one_beyond_the_end_checkpoints_it(stopped, tmp_path, capfd):
     """Rerunning the stopping command (a requeue) does not train on past training.stop_at_step; a
     stop_at_step beyond the run's end checkpoints the end, so the command without it finds the run

@@ -220,12 +220,13 @@ class Trainer:
             return None
         name, saved_world, accum = found
         before, cfg.training.grad_accum_steps = cfg.training.grad_accum_steps, accum
-        world = self.session.world_size
-        why = (f"{name} was written by {processes(saved_world)} and this run has {world}" if saved_world != world
-               else f"{name} took global batches of {accum * cfg.data.batch_size * world} samples and "
-                    f"data.batch_size={cfg.data.batch_size} on {processes(world)} makes them up")
-        return (f"{why}: training.grad_accum_steps {before} → {accum} keeps its global batch of "
-                f"{accum * cfg.data.batch_size * world} samples")
+        world, global_batch = self.session.world_size, accum * cfg.data.batch_size * self.session.world_size
+        if saved_world == world:  # another data.batch_size, or a checkpoint of a regrouped run
+            return (f"{name} took global batches of {global_batch} samples: with data.batch_size="
+                    f"{cfg.data.batch_size} on {processes(world)}, training.grad_accum_steps {before} → {accum} "
+                    f"keeps them")
+        return (f"{name} was written by {processes(saved_world)} and this run has {world}: "
+                f"training.grad_accum_steps {before} → {accum} keeps its global batch of {global_batch} samples")
 
     def _sampler(self) -> ShardSampler:
         """DistributedSampler's order; for data that asks for it (token windows) an order that does not
