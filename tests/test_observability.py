@@ -205,6 +205,22 @@ def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
     assert (other / "report" / "ranks.png").read_bytes() == (out / "ranks.png").read_bytes()
 
 
+def test_report_of_a_run_resumed_under_another_strategy_shares_each_phase_over_its_own_windows():
+    """DDP windows carry comm_ms, FSDP windows do not: communication's share is taken over the windows that
+    measured it and says how many; the other phases over all."""
+    from dtrain.report import summary
+
+    def window(step, comm):
+        record = {"step": step, "epoch": 0, "loss": 1.0, "samples_per_s": 100.0, "step_ms": 10.0, "data_ms": 1.0,
+                  "compute_ms": 7.0 - comm, "optimizer_ms": 2.0, "rank_busy_ms": [8.0, 8.0]}
+        return {**record, "comm_ms": comm} if comm else record
+
+    text = summary([window(5, 3.0), window(10, 2.0), window(15, 2.0), window(20, 0), window(25, 0)])
+    assert "communication share: 20% of step time (in the 2 of 4 logged windows that measured it" in text
+    assert "mean step: 10.00 ms — data 10%, compute 60%, comm 20%, optimizer 20%" in text
+    assert "communication share: not measured" in summary([window(5, 0), window(10, 0)])
+
+
 def test_report_from_the_command_line(slow_rank_run):
     run_dir, _ = slow_rank_run
     result = ok(dtrain("report", str(run_dir)))

@@ -189,11 +189,21 @@ def summary(records: list[dict[str, Any]]) -> str:
     timed = [r for r in steady if "step_ms" in r]
     if timed:
         step = statistics.mean(r["step_ms"] for r in timed)
-        shares = {p: statistics.mean(r[f"{p}_ms"] for r in timed) / step for p in _measured_phases(timed)}
+        # Each phase over the windows that measured it: a run resumed under another strategy has windows
+        # with communication measured (DDP) and without (FSDP).
+        shares = {}
+        for p in PHASES:
+            having = [r for r in timed if f"{p}_ms" in r]
+            if having:
+                shares[p] = statistics.mean(r[f"{p}_ms"] for r in having) / statistics.mean(r["step_ms"] for r in having)
         lines.append(f"mean step: {step:.2f} ms — " + ", ".join(f"{p} {s:.0%}" for p, s in shares.items()))
-        lines.append(f"communication share: {shares['comm']:.0%} of step time" if "comm" in shares else
-                     "communication share: not measured (a sharded strategy's collectives run inside forward "
-                     "and backward, counted as compute)")
+        measured = sum("comm_ms" in r for r in timed)
+        lines.append("communication share: not measured (a sharded strategy's collectives run inside forward and "
+                     "backward, counted as compute)" if not measured else
+                     f"communication share: {shares['comm']:.0%} of step time" + (
+                         "" if measured == len(timed) else
+                         f" (in the {measured} of {len(timed)} logged windows that measured it; the others ran "
+                         f"under a sharded strategy)"))
     if any("mfu" in r for r in steady):
         lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
     measured = [r for r in train if "param_bytes" in r]
