@@ -195,7 +195,8 @@ def summary(records: list[dict[str, Any]]) -> str:
         for p in PHASES:
             having = [r for r in timed if f"{p}_ms" in r]
             if having:
-                shares[p] = statistics.mean(r[f"{p}_ms"] for r in having) / statistics.mean(r["step_ms"] for r in having)
+                phase_ms = statistics.mean(r[f"{p}_ms"] for r in having)
+                shares[p] = phase_ms / statistics.mean(r["step_ms"] for r in having)
         lines.append(f"mean step: {step:.2f} ms — " + ", ".join(f"{p} {s:.0%}" for p, s in shares.items()))
         measured = sum("comm_ms" in r for r in timed)
         lines.append("communication share: not measured (a sharded strategy's collectives run inside forward and "

@@ -200,9 +200,10 @@ class Trainer:
 
     def _regroup(self) -> str | None:
         """Resuming a checkpoint written by another number of processes (a node lost for good, a job
-        requeued on another allocation), or with another data.batch_size: token data continues at the same global sample position with
-        the same global batches, `training.grad_accum_steps` changed to make them up (see
-        checkpoint.state.regroup); other data is refused. What changed, for the console, or None."""
+        requeued on another allocation), or with another data.batch_size: the same global sample position
+        and global batches, `training.grad_accum_steps` changed to make them up (see
+        checkpoint.state.regroup); on another number of processes only token data can, other data is
+        refused. What changed, for the console, or None."""
         cfg, answer = self.config, (None, None)
         if self.session.is_main:
             try:

@@ -45,7 +45,8 @@ class Checkpointer:
         if step == self.last_saved_step:
             return False
         every = self.config.every_steps
-        return forced or bool(every and step % every == 0) or (last and (bool(every) or self.last_saved_step is not None))
+        scheduled = bool(every) and step % every == 0
+        return forced or scheduled or (last and (bool(every) or self.last_saved_step is not None))
 
     def find_resume_point(self) -> Checkpoint | None:
         """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""

@@ -167,7 +167,10 @@ def load(folder: Path, parts: Parts) -> Position:
                     unscheduled_skips=trainer.get("unscheduled_skips", 0), setup=trainer.get("setup", {}))
 
 
-def _split_tensors(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, Any]]]:
+PerParameter = dict[str, dict[str, Any]]  # an optimizer's state: {parameter fqn: {name: value}}
+
+
+def _split_tensors(state: PerParameter) -> tuple[PerParameter, PerParameter]:
     """An optimizer's per-parameter state split into its tensors (for DCP) and the rest (for trainer.json,
     as JSON: no pickle in a checkpoint)."""
     tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -203,7 +206,8 @@ class _Layout:
         if not self.flat:
             return {"model": model, "optimizer": {"state": optim}}
         flat = {f"model/{key}": value for key, value in model.items()}
-        flat.update({self.optimizer_key(fqn, name): value for fqn, values in optim.items() for name, value in values.items()})
+        flat.update({self.optimizer_key(fqn, name): value
+                     for fqn, values in optim.items() for name, value in values.items()})
         return flat
 
 
