@@ -174,12 +174,16 @@ def test_a_resume_with_another_batch_size_keeps_the_global_batch(stopped, tmp_pa
     dtrain.Trainer(config(whole, training={"epochs": 2, "log_every": 5}), model=model(), train_data=data()).fit()
     run_dir = tmp_path / "run"
     shutil.copytree(stopped, run_dir)
+    with pytest.raises(dtrain.DtrainError, match=r"checkpoint step-7 trained on global batches of 16 samples \(1 process × "
+                       r"16\); 1 process with data.batch_size=5 cannot make that up in whole accumulation steps: set "
+                       r"data.batch_size to a divisor of 16, such as 2, 4, 8, 16$"):
+        dtrain.Trainer(config(run_dir, data={"batch_size": 5}), model=model(), train_data=data()).fit()
     capfd.readouterr()
     trainer = dtrain.Trainer(config(run_dir, data={"batch_size": 8}, training={"epochs": 2, "log_every": 5}),
                              model=model(), train_data=data())
     trainer.fit()
     assert ("step-7 took global batches of 16 samples: with data.batch_size=8 on 1 process, "
-            "training.grad_accum_steps 1 → 2 keeps them") in capfd.readouterr().err
+            "training.grad_accum_steps 2 (not the config's 1) keeps them") in capfd.readouterr().err
     assert trainer.step == 20 and trainer.config.training.grad_accum_steps == 2
     from safetensors.torch import load_file
 

@@ -224,8 +224,8 @@ class Trainer:
         world, global_batch = self.session.world_size, accum * cfg.data.batch_size * self.session.world_size
         if saved_world == world:  # another data.batch_size, or a checkpoint of a regrouped run
             return (f"{name} took global batches of {global_batch} samples: with data.batch_size="
-                    f"{cfg.data.batch_size} on {processes(world)}, training.grad_accum_steps {before} → {accum} "
-                    f"keeps them")
+                    f"{cfg.data.batch_size} on {processes(world)}, training.grad_accum_steps {accum} (not the "
+                    f"config's {before}) keeps them")
         return (f"{name} was written by {processes(saved_world)} and this run has {world}: "
                 f"training.grad_accum_steps {before} → {accum} keeps its global batch of {global_batch} samples")
 

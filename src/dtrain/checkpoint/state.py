@@ -91,7 +91,8 @@ def regroup(name: str, saved_world: int, saved_per_rank: int, world: int, batch_
         raise CheckpointError(
             f"checkpoint {name} trained on global batches of {global_batch} samples ({processes(saved_world)} × "
             f"{saved_per_rank}); {processes(world)} with data.batch_size={batch_size} cannot make that up in "
-            f"whole accumulation steps: " + (f"set data.batch_size to one of {fits[-4:]}" if fits else
+            f"whole accumulation steps: " + (f"set data.batch_size to a divisor of {global_batch // world}, such as "
+                                             f"{', '.join(map(str, fits[-4:]))}" if fits else
                                              f"resume with a number of processes that divides {global_batch}"))
     return global_batch // (batch_size * world)
 
