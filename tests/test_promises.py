@@ -191,6 +191,24 @@ def test_a_resume_with_another_batch_size_keeps_the_global_batch(stopped, tmp_pa
     assert all(torch.allclose(resumed[k], expected[k], atol=1e-6, rtol=0) for k in expected)
 
 
+def test_a_checkpoint_holding_part_of_a_parameters_optimizer_state_is_refused(tmp_path):
+    """AdamW's moments of one parameter gone from a resealed checkpoint: refused in one line, not resumed
+    with zeros in their place (a parameter with no state at all is one that never had a gradient)."""
+    adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
+    run_dir = tmp_path / "run"
+    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+                   model=model(), train_data=data()).fit()
+    folder = run_dir / "checkpoints" / "step-7"
+    path = folder / "state" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # dtrain's own file, in a test: trusted
+    del metadata.state_dict_metadata["optimizer.state.0.weight.exp_avg_sq"]
+    path.write_bytes(pickle.dumps(metadata))
+    reseal(folder)
+    with pytest.raises(CheckpointError, match=r"^checkpoint step-7 holds part of the optimizer state of '0.weight' "
+                                              r"\(no 'exp_avg_sq'\): damaged, or written for another optimizer"):
+        dtrain.Trainer(config(run_dir, **adamw), model=model(), train_data=data()).fit()
+
+
 def test_stop_at_step_already_reached_trains_nothing_and_one_beyond_the_end_checkpoints_it(stopped, tmp_path, capfd):
     """Rerunning the stopping command (a requeue) does not train on past training.stop_at_step; a
     stop_at_step beyond the run's end checkpoints the end, so the command without it finds the run

@@ -124,6 +124,11 @@ def load(folder: Path, parts: Parts) -> Position:
     optim_tensors: dict[str, dict[str, torch.Tensor]] = {}
     for fqn, values in _split_tensors(optim_state["state"])[0].items():
         held = {name: tensor for name, tensor in values.items() if layout.optimizer_key(fqn, name) in saved}
+        if held and len(held) < len(values):  # all of a parameter's state, or (never updated) none
+            missing = sorted(set(values) - set(held))[0]
+            raise CheckpointError(f"checkpoint {folder.name} holds part of the optimizer state of '{fqn}' (no "
+                                  f"'{missing}'): damaged, or written for another optimizer; delete {folder} to "
+                                  f"resume from an earlier checkpoint, or start a new run.dir")
         if held:
             optim_tensors[fqn] = held
     saved_optimizer = any(layout.is_optimizer(key) for key in saved)  # none: saved before any update
