@@ -45,8 +45,9 @@ def dying_mlp(input_shape, num_classes, die_at=0, note=""):
                     os.kill(os.getpid(), signal.SIGKILL)
             return super().forward(x)
 
-    return Dying(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), 1024), nn.ReLU(),
-                 nn.Linear(1024, num_classes))
+    return Dying(
+        nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), 1024), nn.ReLU(), nn.Linear(1024, num_classes)
+    )
 
 
 def save_load_worker(out: Path, saves: int) -> None:
@@ -62,8 +63,9 @@ def save_load_worker(out: Path, saves: int) -> None:
     x, y = torch.rand(4096, 1, 28, 28), torch.randint(0, 10, (4096,))
     run_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=out.parent)) if dist.get_rank() == 0 else None
     run_dir = Path(dtrain.distributed.from_rank0(str(run_dir)))
-    config = dtrain.Config.from_dict({"run": {"dir": str(run_dir)}, "optimizer": {"momentum": 0.9},
-                                      "training": {"epochs": 1, "max_steps": 5}})
+    config = dtrain.Config.from_dict(
+        {"run": {"dir": str(run_dir)}, "optimizer": {"momentum": 0.9}, "training": {"epochs": 1, "max_steps": 5}}
+    )
     trainer = dtrain.Trainer(config, model=mlp((1, 28, 28), 10), train_data=TensorDataset(x, y))
     trainer.fit()  # leaves the group alone: it did not create it
     save_s, load_s = [], []
@@ -79,8 +81,9 @@ def save_load_worker(out: Path, saves: int) -> None:
         load_s.append(time.perf_counter() - start)
     if dist.get_rank() == 0:
         size = sum(p.stat().st_size for p in checkpoint.path.rglob("*") if p.is_file())
-        out.write_text(json.dumps({"save_s": statistics.median(save_s), "load_s": statistics.median(load_s),
-                                   "bytes": size}))
+        out.write_text(
+            json.dumps({"save_s": statistics.median(save_s), "load_s": statistics.median(load_s), "bytes": size})
+        )
     dist.destroy_process_group()
 
 
@@ -88,11 +91,31 @@ def measure_restart(tmp: Path) -> float:
     note = tmp / "died_at"
     run_dir = tmp / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "dtrain", "run", "examples/digits_mlp.toml", "data.name=synthetic",
-                    "data.num_samples=20000", "training.epochs=1", "training.log_every=1",
-                    "checkpoint.every_steps=20", "model.name=checkpoint_cost:dying_mlp",
-                    f"model.options={{die_at = 50, note = \"{note}\"}}", "--nproc", "2", "--max-restarts", "1",
-                    f"run.dir={run_dir}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            "examples/digits_mlp.toml",
+            "data.name=synthetic",
+            "data.num_samples=20000",
+            "training.epochs=1",
+            "training.log_every=1",
+            "checkpoint.every_steps=20",
+            "model.name=checkpoint_cost:dying_mlp",
+            f'model.options={{die_at = 50, note = "{note}"}}',
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     died = float(note.read_text())
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     back = min(m["time"] for m in lines if "loss" in m and m["time"] > died)
@@ -121,8 +144,10 @@ def main() -> None:
     print(f"| checkpoint size on disk | {cost['bytes'] / 1e6:.1f} MB |")
     print(f"| write one checkpoint (all ranks, fsynced, sealed) | {cost['save_s']:.3f} s |")
     print(f"| read it back (verify not included) | {cost['load_s']:.3f} s |")
-    print(f"| worker killed → restarted group trains again | {statistics.median(restarts):.1f} s "
-          f"({', '.join(f'{r:.1f}' for r in restarts)}) |")
+    print(
+        f"| worker killed → restarted group trains again | {statistics.median(restarts):.1f} s "
+        f"({', '.join(f'{r:.1f}' for r in restarts)}) |"
+    )
 
 
 if __name__ == "__main__":

@@ -60,11 +60,14 @@ def run_dtrain(data: Path, steps: int, scratch: Path) -> float:
     from dtrain.data.tokens import TokenWindows
 
     windows = TokenWindows(data, "train", BLOCK)
-    config = dtrain.Config.from_dict({
-        "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-", dir=scratch), "seed": SEED},
-        "data": {"batch_size": BATCH},
-        "optimizer": {"name": "adamw", "lr": LR},
-        "training": {"epochs": 1, "max_steps": steps}})
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-", dir=scratch), "seed": SEED},
+            "data": {"batch_size": BATCH},
+            "optimizer": {"name": "adamw", "lr": LR},
+            "training": {"epochs": 1, "max_steps": steps},
+        }
+    )
     trainer = dtrain.Trainer(config, model=model(windows.vocab_size), train_data=windows)
     start = time.perf_counter()
     trainer.fit()
@@ -91,7 +94,7 @@ def run_plain(data: Path, steps: int) -> float:
     offsets = np.arange(BLOCK + 1)
     for step in range(steps):
         first = (step * world + rank) * BATCH
-        idx = order[first:first + BATCH].numpy() * BLOCK
+        idx = order[first : first + BATCH].numpy() * BLOCK
         window = torch.from_numpy(tokens[idx[:, None] + offsets].astype(np.int64)).to(dev, non_blocking=True)
         x, y = window[:, :-1], window[:, 1:]
         logits = net(x)
@@ -143,8 +146,11 @@ def worker(variant: str, data: Path, steps: int, out: Path) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    train = {"dtrain": lambda d, s: run_dtrain(d, s, scratch=out.parent), "plain": run_plain,
-             "accelerate": run_accelerate}[variant]
+    train = {
+        "dtrain": lambda d, s: run_dtrain(d, s, scratch=out.parent),
+        "plain": run_plain,
+        "accelerate": run_accelerate,
+    }[variant]
     train(data, WARMUP_STEPS)
     dist.barrier()
     seconds = train(data, steps)
@@ -168,15 +174,29 @@ def main() -> None:
         worker(args.worker, args.data, args.steps, args.out)
         return
     if not (args.data / "meta.json").exists():
-        subprocess.run([sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)], check=True
+        )
     results: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for round_ in range(args.rounds):
         for variant in VARIANTS:
-            results[variant].append(run_workers(__file__, "--worker", variant, "--data", str(args.data.absolute()),
-                                                "--steps", str(args.steps), nproc=args.nproc)["tokens_per_s"])
-            print(f"round {round_ + 1}/{args.rounds} {variant}: {results[variant][-1]:,.0f} tokens/s",
-                  file=sys.stderr, flush=True)
+            results[variant].append(
+                run_workers(
+                    __file__,
+                    "--worker",
+                    variant,
+                    "--data",
+                    str(args.data.absolute()),
+                    "--steps",
+                    str(args.steps),
+                    nproc=args.nproc,
+                )["tokens_per_s"]
+            )
+            print(
+                f"round {round_ + 1}/{args.rounds} {variant}: {results[variant][-1]:,.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
     print(ratio_table(results, "tokens/s", {"plain loop": "plain", "Accelerate": "accelerate"}))
 
 

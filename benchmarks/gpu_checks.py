@@ -35,12 +35,21 @@ def trainer(run_dir: Path, optimizer: str, dropout: float = 0.0, **training) -> 
     from faults import dying_mlp  # tests/workers: an MLP with dropout
 
     torch.manual_seed(0)
-    config = dtrain.Config.from_dict({
-        "run": {"dir": str(run_dir)}, "data": {"batch_size": 32},
-        "optimizer": {"name": optimizer, "lr": 1e-3 if optimizer == "adamw" else 0.05},
-        "scheduler": {"name": "linear", "warmup_steps": 8},
-        "training": {"epochs": 2, "precision": "fp16" if DEVICE.type == "cuda" else "bf16", "log_every": 4,
-                     "max_grad_norm": 1.0, **training}})
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(run_dir)},
+            "data": {"batch_size": 32},
+            "optimizer": {"name": optimizer, "lr": 1e-3 if optimizer == "adamw" else 0.05},
+            "scheduler": {"name": "linear", "warmup_steps": 8},
+            "training": {
+                "epochs": 2,
+                "precision": "fp16" if DEVICE.type == "cuda" else "bf16",
+                "log_every": 4,
+                "max_grad_norm": 1.0,
+                **training,
+            },
+        }
+    )
     return dtrain.Trainer(config, model=dying_mlp((32,), 3, dropout=dropout), train_data=data())
 
 
@@ -58,8 +67,10 @@ def fp16_skips(work: Path) -> str:
     """A loss scale of 2^30 overflows the first steps, as 2^16 does on large models: every one is
     counted, left out of the norm, taken out of the schedule, and fused AdamW / plain SGD stay sane."""
     dtrain.trainer.precision_for = lambda name, device, tf32=True: Precision(
-        "fp16", functools.partial(torch.autocast, device_type=DEVICE.type, dtype=torch.float16),
-        torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 30))
+        "fp16",
+        functools.partial(torch.autocast, device_type=DEVICE.type, dtype=torch.float16),
+        torch.amp.GradScaler(DEVICE.type, init_scale=2.0**30),
+    )
     parts, good = [], True
     for optimizer in ("adamw", "sgd"):
         t = trainer(work / f"skips-{optimizer}", optimizer)
@@ -72,8 +83,10 @@ def fp16_skips(work: Path) -> str:
         schedule = t.scheduler.last_epoch == t.total_steps - skipped
         fused = t.optimizer.defaults.get("fused")
         good &= skipped >= 3 and finite and params and schedule and lines[-1]["loss"] < lines[0]["loss"]
-        parts.append(f"{optimizer} (fused {fused}): {skipped} skipped, norms finite {finite}, weights "
-                     f"finite {params}, schedule at applied steps {schedule}")
+        parts.append(
+            f"{optimizer} (fused {fused}): {skipped} skipped, norms finite {finite}, weights "
+            f"finite {params}, schedule at applied steps {schedule}"
+        )
     return f"{'ok' if good else 'FAIL'} " + "; ".join(parts)
 
 

@@ -20,9 +20,22 @@ def run_workers(script: str, *args: str, nproc: int = 2) -> Any:
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={nproc}", script, "--out", str(out), *args],
-                              env={**os.environ, "OMP_NUM_THREADS": threads}, capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                script,
+                "--out",
+                str(out),
+                *args,
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": threads},
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             sys.exit(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr}")
         return json.loads(out.read_text())
@@ -34,8 +47,10 @@ def ratio_table(results: dict[str, list[float]], unit: str, against: dict[str, s
     import statistics
 
     med = {v: statistics.median(r) for v, r in results.items()}
-    rows = [f"| variant | median {unit} | runs | " + " | ".join(f"vs {title}" for title in against) + " |",
-            "| --- | ---: | ---: | " + " | ".join("---:" for _ in against) + " |"]
+    rows = [
+        f"| variant | median {unit} | runs | " + " | ".join(f"vs {title}" for title in against) + " |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in against) + " |",
+    ]
     for v in results:
         ratios = " | ".join(f"{med[v] / med[base]:.2f}×" for base in against.values())
         rows.append(f"| {v} | {med[v]:,.0f} | {len(results[v])} | {ratios} |")

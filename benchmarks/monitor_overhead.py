@@ -41,9 +41,12 @@ def worker(out: Path, rounds: int, steps: int) -> None:
     data = TensorDataset(x, y)
 
     def once(name: str, n: int) -> float:
-        raw = {"run": {"dir": tempfile.mkdtemp(prefix="monitor-bench-", dir=out.parent)}, "data": {"batch_size": 64},
-               "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
-               "training": {"epochs": 100, "max_steps": n}}
+        raw = {
+            "run": {"dir": tempfile.mkdtemp(prefix="monitor-bench-", dir=out.parent)},
+            "data": {"batch_size": 64},
+            "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
+            "training": {"epochs": 100, "max_steps": n},
+        }
         raw.update(VARIANTS[name])
         torch.manual_seed(0)
         trainer = dtrain.Trainer(dtrain.Config.from_dict(raw), model=mlp((1, 28, 28), 10), train_data=data)
@@ -82,8 +85,10 @@ def main() -> None:
     print("| --- | ---: | ---: |")
     for name in VARIANTS:
         print(f"| {name} | {med[name]:,.0f} | {len(results[name])} |")
-    print(f"\nmonitoring overhead: {1 - statistics.median(ratios):+.1%} of throughput "
-          f"(median of per-round ratios; range {1 - max(ratios):+.1%} to {1 - min(ratios):+.1%})")
+    print(
+        f"\nmonitoring overhead: {1 - statistics.median(ratios):+.1%} of throughput "
+        f"(median of per-round ratios; range {1 - max(ratios):+.1%} to {1 - min(ratios):+.1%})"
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -49,12 +49,15 @@ def run_dtrain(settings: dict, data: Path, steps: int, log_every: int, scratch: 
 
     windows = TokenWindows(data, "train", BLOCK)
     run_dir = scratch / "run"  # the same on every rank: rank 0 writes it
-    config = dtrain.Config.from_dict({
-        "run": {"dir": str(run_dir), "seed": SEED},
-        "data": {"batch_size": BATCH},
-        "optimizer": {"name": "adamw", "lr": LR},
-        "distributed": settings.get("distributed", {}),
-        "training": {"epochs": 1, "max_steps": steps, "log_every": log_every, **settings.get("training", {})}})
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(run_dir), "seed": SEED},
+            "data": {"batch_size": BATCH},
+            "optimizer": {"name": "adamw", "lr": LR},
+            "distributed": settings.get("distributed", {}),
+            "training": {"epochs": 1, "max_steps": steps, "log_every": log_every, **settings.get("training", {})},
+        }
+    )
     dtrain.Trainer(config, model=model(windows.vocab_size), train_data=windows).fit()
     if int(os.environ["RANK"]) != 0:
         return {}
@@ -79,8 +82,12 @@ def run_accelerate(data: Path, steps: int, log_every: int) -> dict:
 
     windows = TokenWindows(data, "train", BLOCK)
     gpus = torch.cuda.is_available()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["Block"], reshard_after_forward=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+        reshard_after_forward=True,
+    )
     accelerator = Accelerator(fsdp_plugin=plugin if gpus else None, cpu=not gpus)
     net = model(windows.vocab_size)
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
@@ -105,9 +112,11 @@ def run_accelerate(data: Path, steps: int, log_every: int) -> dict:
     seconds = time.perf_counter() - start
     params, state = state_bytes(net, optimizer)
     world = accelerator.num_processes
-    return {"tokens_per_s": (steps - log_every) * BATCH * BLOCK * world / seconds,
-            "held_bytes": max(accelerator.gather(torch.tensor([params + grads + state])).tolist()),
-            "how": str(accelerator.distributed_type)}
+    return {
+        "tokens_per_s": (steps - log_every) * BATCH * BLOCK * world / seconds,
+        "held_bytes": max(accelerator.gather(torch.tensor([params + grads + state])).tolist()),
+        "how": str(accelerator.distributed_type),
+    }
 
 
 def worker(variant: str, data: Path, steps: int, log_every: int, out: Path) -> None:
@@ -141,20 +150,34 @@ def main() -> None:
         worker(args.worker, args.data, args.steps, args.log_every, args.out)
         return
     if not (args.data / "meta.json").exists():
-        subprocess.run([sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)], check=True
+        )
     chosen = args.variants.split(",")
     speed: dict[str, list[float]] = {v: [] for v in chosen}
     held: dict[str, list[float]] = {v: [] for v in chosen}
     for round_ in range(args.rounds):
         for variant in chosen:
-            result = run_workers(__file__, "--worker", variant, "--data", str(args.data.absolute()), "--steps",
-                                 str(args.steps), "--log-every", str(args.log_every), nproc=args.nproc)
+            result = run_workers(
+                __file__,
+                "--worker",
+                variant,
+                "--data",
+                str(args.data.absolute()),
+                "--steps",
+                str(args.steps),
+                "--log-every",
+                str(args.log_every),
+                nproc=args.nproc,
+            )
             speed[variant].append(result["tokens_per_s"])
             held[variant].append(result["held_bytes"])
-            print(f"round {round_ + 1}/{args.rounds} {variant}: {result['tokens_per_s']:,.0f} tokens/s, "
-                  f"{result['held_bytes'] / 2**20:.1f} MiB held per rank {result.get('how', '')}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"round {round_ + 1}/{args.rounds} {variant}: {result['tokens_per_s']:,.0f} tokens/s, "
+                f"{result['held_bytes'] / 2**20:.1f} MiB held per rank {result.get('how', '')}",
+                file=sys.stderr,
+                flush=True,
+            )
     baseline = "ddp" if "ddp" in chosen else chosen[0]
     table = ratio_table(speed, "tokens/s", {baseline: baseline}).splitlines()
     base = statistics.median(held[baseline])

@@ -86,12 +86,14 @@ def run_dtrain(images, labels, steps: int, scratch: Path) -> float:
     x = images.unsqueeze(1).float().div_(255)
     torch.manual_seed(0)
     model = mlp((1, 28, 28), 10)
-    config = dtrain.Config.from_dict({
-        "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-", dir=scratch)},
-        "data": {"batch_size": BATCH},
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
-        "training": {"epochs": 100, "max_steps": steps},
-    })
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": tempfile.mkdtemp(prefix="dtrain-bench-", dir=scratch)},
+            "data": {"batch_size": BATCH},
+            "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
+            "training": {"epochs": 100, "max_steps": steps},
+        }
+    )
     trainer = dtrain.Trainer(config, model=model, train_data=TensorDataset(x, labels))
     start = time.perf_counter()
     trainer.fit()
@@ -194,8 +196,12 @@ def worker(variant: str, steps: int, out: Path) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     images, labels = make_data()
     # dtrain's run directories go beside the result file, which the parent removes afterwards.
-    train = {"dtrain": lambda *a: run_dtrain(*a, scratch=out.parent), "plain": run_plain, "guide": run_guide,
-             "ceiling": lambda *a: run_plain(*a, exchange_gradients=False)}[variant]
+    train = {
+        "dtrain": lambda *a: run_dtrain(*a, scratch=out.parent),
+        "plain": run_plain,
+        "guide": run_guide,
+        "ceiling": lambda *a: run_plain(*a, exchange_gradients=False),
+    }[variant]
     train(images, labels, WARMUP_STEPS)
     dist.barrier()
     seconds = train(images, labels, steps)
@@ -228,8 +234,11 @@ def main() -> None:
     for round_ in range(args.rounds):
         for variant in VARIANTS:
             results[variant].append(measure(variant, args.steps, args.nproc))
-            print(f"round {round_ + 1}/{args.rounds} {variant}: {results[variant][-1]:,.0f} samples/s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"round {round_ + 1}/{args.rounds} {variant}: {results[variant][-1]:,.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
     print(ratio_table(results, "samples/s", {"plain loop": "plain", "guide's script": "guide"}))
 
 

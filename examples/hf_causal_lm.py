@@ -46,19 +46,43 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dtrain config overrides")
     args = parser.parse_args()
 
-    config = dtrain.load_config(None, [
-        f"run.dir={args.run_dir}", "data.name=tokens", f"data.path={args.data}", "data.block_size=128", "data.batch_size=8", "optimizer.name=adamw",
-        "optimizer.lr=0.001", "scheduler.name=cosine", "scheduler.warmup_steps=20", "training.epochs=1",
-        "training.max_steps=200", "training.log_every=20", *args.overrides])
+    config = dtrain.load_config(
+        None,
+        [
+            f"run.dir={args.run_dir}",
+            "data.name=tokens",
+            f"data.path={args.data}",
+            "data.block_size=128",
+            "data.batch_size=8",
+            "optimizer.name=adamw",
+            "optimizer.lr=0.001",
+            "scheduler.name=cosine",
+            "scheduler.warmup_steps=20",
+            "training.epochs=1",
+            "training.max_steps=200",
+            "training.log_every=20",
+            *args.overrides,
+        ],
+    )
     block = config.data.block_size
     train = TokenWindows(args.data, "train", block)
     val = TokenWindows(args.data, "val", block)
     torch.manual_seed(config.run.seed)  # the same initial weights on every rank
     eot = train.meta["eot_token"]
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=train.vocab_size, n_positions=block, n_embd=args.width,
-                                       n_layer=args.layers, n_head=4, bos_token_id=eot, eos_token_id=eot))
-    dtrain.Trainer(config, model=model, train_data=CausalLMSamples(train),
-                   eval_data=CausalLMSamples(val) if len(val) else None).fit()
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=train.vocab_size,
+            n_positions=block,
+            n_embd=args.width,
+            n_layer=args.layers,
+            n_head=4,
+            bos_token_id=eot,
+            eos_token_id=eot,
+        )
+    )
+    dtrain.Trainer(
+        config, model=model, train_data=CausalLMSamples(train), eval_data=CausalLMSamples(val) if len(val) else None
+    ).fit()
 
 
 if __name__ == "__main__":

@@ -33,14 +33,17 @@ def main() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
     # The guide's choices: batch 64 per process, SGD at lr 0.01, 10 epochs.
-    config = dtrain.Config.from_dict({
-        "run": {"dir": args.run_dir},
-        "data": {"batch_size": 64},
-        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
-        "training": {"epochs": args.epochs, "log_every": 50},
-    })
-    trainer = dtrain.Trainer(config, model=model, train_data=TensorDataset(train_x, train_y),
-                             eval_data=TensorDataset(test_x, test_y))
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": args.run_dir},
+            "data": {"batch_size": 64},
+            "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
+            "training": {"epochs": args.epochs, "log_every": 50},
+        }
+    )
+    trainer = dtrain.Trainer(
+        config, model=model, train_data=TensorDataset(train_x, train_y), eval_data=TensorDataset(test_x, test_y)
+    )
     trainer.fit()
 
 

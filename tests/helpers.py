@@ -18,18 +18,22 @@ TIMEOUT = 240  # seconds: a hung distributed test fails instead of stalling the 
 
 def env(**extra: str) -> dict[str, str]:
     """A clean environment for a child: no inherited rank variables, tests importable."""
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_",
-                              "OMPI_", "DTRAIN_"))}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "OMPI_", "DTRAIN_"))
+    }
     e["PYTHONPATH"] = os.pathsep.join([str(WORKERS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(extra)
     return e
 
 
-def run(args: list[str], *, cwd: Path | None = None, extra_env: dict[str, str] | None = None,
-        timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd or ROOT, env=env(**(extra_env or {})), capture_output=True,
-                          text=True, timeout=timeout)
+def run(
+    args: list[str], *, cwd: Path | None = None, extra_env: dict[str, str] | None = None, timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args, cwd=cwd or ROOT, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def dtrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -39,9 +43,19 @@ def dtrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, **kwargs) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N script args` (torch's own launcher)."""
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}", str(script), *map(str, args)],
-               extra_env={"OMP_NUM_THREADS": "1"}, **kwargs)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+            *map(str, args),
+        ],
+        extra_env={"OMP_NUM_THREADS": "1"},
+        **kwargs,
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -109,8 +123,9 @@ def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> bool:
     Undo with unmount(path)."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    )
 
 
 def unmount(path: Path) -> None:

@@ -15,9 +15,20 @@ from dtrain.errors import DtrainError
 from dtrain.loss import LossOf
 from helpers import WORKERS, ok, torchrun
 
-SHAPES = ["tensor_pair_fast", "tensor_pair_loader", "tensor_triple_fast", "dict_fast", "dict_loader",
-          "nested_dict_loader", "namedtuple_loader", "dataclass_loader", "step_fn", "loss_fn_on_dict",
-          "eval_metrics", "hf_batch_encoding"]
+SHAPES = [
+    "tensor_pair_fast",
+    "tensor_pair_loader",
+    "tensor_triple_fast",
+    "dict_fast",
+    "dict_loader",
+    "nested_dict_loader",
+    "namedtuple_loader",
+    "dataclass_loader",
+    "step_fn",
+    "loss_fn_on_dict",
+    "eval_metrics",
+    "hf_batch_encoding",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +52,17 @@ def test_every_batch_shape_trains_the_same_model_to_the_same_weights(shapes):
 
 
 def test_eval_accuracy_only_where_outputs_are_class_scores(shapes):
-    with_logits = {"tensor_pair_fast", "tensor_pair_loader", "tensor_triple_fast", "dict_fast", "dict_loader",
-                   "nested_dict_loader", "loss_fn_on_dict", "eval_metrics", "hf_batch_encoding"}
+    with_logits = {
+        "tensor_pair_fast",
+        "tensor_pair_loader",
+        "tensor_triple_fast",
+        "dict_fast",
+        "dict_loader",
+        "nested_dict_loader",
+        "loss_fn_on_dict",
+        "eval_metrics",
+        "hf_batch_encoding",
+    }
     for name, result in shapes.items():
         assert ("eval_accuracy" in result["eval"]) == (name in with_logits), name
     assert 0 < shapes["dict_fast"]["eval"]["eval_accuracy"] < 1
@@ -67,8 +87,9 @@ class Sample:
 
 
 def test_collate_and_to_device_keep_every_container():
-    samples = [Sample(torch.tensor([i, i]), {"ids": torch.tensor(i), "pair": Pair(torch.tensor(i), i)})
-               for i in range(3)]
+    samples = [
+        Sample(torch.tensor([i, i]), {"ids": torch.tensor(i), "pair": Pair(torch.tensor(i), i)}) for i in range(3)
+    ]
     batch = to_device(collate(samples), torch.device("cpu"))
     assert isinstance(batch, Sample) and batch.x.shape == (3, 2)
     assert isinstance(batch.meta["pair"], Pair) and batch.meta["pair"].x.tolist() == [0, 1, 2]
@@ -88,17 +109,29 @@ class NoLoss(nn.Module):
         return {"logits": self.fc(x), "past_key_values": None}
 
 
-@pytest.mark.parametrize("loss_of, batch, message", [
-    (LossOf(), {"x": torch.ones(3, 2)},
-     "the model's output holds no loss (a dict with logits=Tensor, past_key_values=None); put the targets in "
-     "the batch as 'labels' (a Hugging Face model then returns .loss), or pass Trainer(loss_fn=...) or "
-     "Trainer(step_fn=...)"),
-    (LossOf(loss_fn=lambda out, target: (out["logits"] - 0).sum(1)), (torch.ones(3, 2), torch.zeros(3)),
-     "loss_fn returned a tensor of shape (3,), not one number; return the batch's mean loss as a scalar tensor"),
-    (LossOf(step_fn=lambda model, batch: 1.0), (torch.ones(3, 2), torch.zeros(3)),
-     "step_fn returned a float, not a tensor; return the batch's mean loss as a scalar tensor computed from the "
-     "model's output"),
-])
+@pytest.mark.parametrize(
+    "loss_of, batch, message",
+    [
+        (
+            LossOf(),
+            {"x": torch.ones(3, 2)},
+            "the model's output holds no loss (a dict with logits=Tensor, past_key_values=None); put the targets in "
+            "the batch as 'labels' (a Hugging Face model then returns .loss), or pass Trainer(loss_fn=...) or "
+            "Trainer(step_fn=...)",
+        ),
+        (
+            LossOf(loss_fn=lambda out, target: (out["logits"] - 0).sum(1)),
+            (torch.ones(3, 2), torch.zeros(3)),
+            "loss_fn returned a tensor of shape (3,), not one number; return the batch's mean loss as a scalar tensor",
+        ),
+        (
+            LossOf(step_fn=lambda model, batch: 1.0),
+            (torch.ones(3, 2), torch.zeros(3)),
+            "step_fn returned a float, not a tensor; return the batch's mean loss as a scalar tensor computed from the "
+            "model's output",
+        ),
+    ],
+)
 def test_a_loss_that_cannot_be_found_is_one_line_naming_what_was_there(loss_of, batch, message):
     with pytest.raises(DtrainError) as refused:
         loss_of(NoLoss(), batch)
@@ -120,8 +153,10 @@ def test_the_default_loss_counts_every_position_of_a_sequence():
 def test_eval_metrics_of_the_wrong_kind_are_one_line():
     from dtrain.evaluation import EvalSums
 
-    for returned, message in (("great", "eval_metrics returned str; return a dict of names to numbers"),
-                              ({"m": "great"}, "eval_metrics returned m=str; return one number per name")):
+    for returned, message in (
+        ("great", "eval_metrics returned str; return a dict of names to numbers"),
+        ({"m": "great"}, "eval_metrics returned m=str; return one number per name"),
+    ):
         sums = EvalSums(torch.device("cpu"), lambda output, batch, r=returned: r)
         with pytest.raises(DtrainError, match=message):
             sums.add(torch.tensor(1.0), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, 2)

@@ -14,12 +14,20 @@ import torch
 
 from dtrain.checkpoint import CheckpointStore
 from dtrain.checkpoint.store import MARKER
-from helpers import (ROOT, TIMEOUT, WORKERS, dtrain, env, mount_tmpfs, ok, torchrun, train_lines, unmount,
-                     weights)
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, mount_tmpfs, ok, torchrun, train_lines, unmount, weights
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
-       "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",
-       "training.log_every=1", "scheduler.name=cosine"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=500",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "model.name=faults:dying_mlp",
+    "training.epochs=3",
+    "training.log_every=1",
+    "scheduler.name=cosine",
+]
 MODEL = "model.options={hidden_size = 32%s}"  # 400 samples, 200 a rank: 13 steps an epoch, 39 in all
 
 
@@ -82,11 +90,13 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
     ok(run_job(tmp_path, "training.epochs=1", "checkpoint.every_steps=5", nproc=1))
     first = train_lines(tmp_path)
     assert first[-1]["step"] == 25 and first[-1]["lr"] < 0.01  # cosine: the end of the schedule
-    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", "optimizer.momentum=0.5",
-                          nproc=1))
-    assert re.search(r"^the config changed since that checkpoint \(steps 25 → 75, optimizer.momentum 0.9 → 0.5\): "
-                     r"this run follows it from step 25, the learning-rate schedule rebuilt for its plan$",
-                     extended.stderr, re.M), extended.stderr
+    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", "optimizer.momentum=0.5", nproc=1))
+    assert re.search(
+        r"^the config changed since that checkpoint \(steps 25 → 75, optimizer.momentum 0.9 → 0.5\): "
+        r"this run follows it from step 25, the learning-rate schedule rebuilt for its plan$",
+        extended.stderr,
+        re.M,
+    ), extended.stderr
     saved = json.loads((tmp_path / "checkpoints" / "step-75" / "trainer.json").read_text())
     assert {group["momentum"] for group in saved["optimizer"]["param_groups"]} == {0.5}  # not the restored 0.9
     later = [m for m in train_lines(tmp_path) if m["step"] > 25]
@@ -94,14 +104,20 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
     assert later[0]["lr"] > 0.1  # cosine at 25 of 75 steps, not the old schedule's 0
     assert sum(m["loss"] for m in later[-10:]) < sum(m["loss"] for m in first[-10:])
     # What cannot be honoured is refused: a plan shorter than the run already is.
-    refused(run_job(tmp_path, "training.epochs=1", nproc=1),
-            "is at step 75 and this config plans 25 steps (training.epochs=1, training.max_steps=0); raise "
-            "them to continue that run, or start a new run.dir")
+    refused(
+        run_job(tmp_path, "training.epochs=1", nproc=1),
+        "is at step 75 and this config plans 25 steps (training.epochs=1, training.max_steps=0); raise "
+        "them to continue that run, or start a new run.dir",
+    )
     # ... and so is what the checkpoint's state or position means nothing under.
-    for change, fragment in (("optimizer.name=adamw", "optimizer.name = 'sgd' there and 'adamw' here: its "
-                                                      "optimizer state does not carry over"),
-                             ("run.seed=7", "run.seed = 0 there and 7 here: the data order of the epoch in progress"),
-                             ("data.num_samples=600", "training samples = 400 there and 480 here")):
+    for change, fragment in (
+        (
+            "optimizer.name=adamw",
+            "optimizer.name = 'sgd' there and 'adamw' here: its optimizer state does not carry over",
+        ),
+        ("run.seed=7", "run.seed = 0 there and 7 here: the data order of the epoch in progress"),
+        ("data.num_samples=600", "training samples = 400 there and 480 here"),
+    ):
         refused(run_job(tmp_path, "training.epochs=4", change, nproc=1), fragment)
     assert [m["step"] for m in train_lines(tmp_path)][-1] == 75  # nothing trained, nothing lost
 
@@ -121,11 +137,19 @@ def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(reference, tmp_path):
     # Rank 1 dies by SIGKILL in its 23rd training forward pass (step 23); checkpoints every 5 steps.
-    result = ok(run_job(tmp_path, "--max-restarts", "1", "checkpoint.every_steps=5",
-                        model_extra=", die_at_forward = 23, die_rank = 1"))
+    result = ok(
+        run_job(
+            tmp_path,
+            "--max-restarts",
+            "1",
+            "checkpoint.every_steps=5",
+            model_extra=", die_at_forward = 23, die_rank = 1",
+        )
+    )
     # The restarted group's own line (a first attempt never prints one): it continued from step 20.
-    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), \
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), (
         result.stderr
+    )
     assert_same_weights(reference, tmp_path)
 
 
@@ -141,9 +165,25 @@ SLOW = ", step_sleep_s = 0.1"  # about 4 s for the 39 steps: long enough to be c
 
 
 def start_slow_job(run_dir, *extra, nproc=2):
-    return subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % SLOW, "--nproc", str(nproc),
-                             f"run.dir={run_dir}", *extra], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            MODEL % SLOW,
+            "--nproc",
+            str(nproc),
+            f"run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -191,31 +231,63 @@ def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(r
     assert proc.returncode == 75, err
     complete = CheckpointStore(stopped).complete()
     assert len(complete) == 1 and 5 <= complete[0].step < 39
-    assert sorted(p.name for p in (complete[0].path / "state").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                              "__1_0.distcp"]  # a shard each
+    assert sorted(p.name for p in (complete[0].path / "state").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]  # a shard each
     resumed = ok(run_job(stopped, FSDP))
     assert f"resumed from {complete[0].path}" in resumed.stderr
     assert_same_weights(reference_fsdp, stopped)
 
     killed = tmp_path / "killed"
-    result = ok(run_job(killed, FSDP, "--max-restarts", "1", "checkpoint.every_steps=5",
-                        model_extra=", die_at_forward = 23, die_rank = 1"))
-    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), \
+    result = ok(
+        run_job(
+            killed,
+            FSDP,
+            "--max-restarts",
+            "1",
+            "checkpoint.every_steps=5",
+            model_extra=", die_at_forward = 23, die_rank = 1",
+        )
+    )
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), (
         result.stderr
+    )
     assert_same_weights(reference_fsdp, killed)
 
 
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
-    wide = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=100", "data.input_shape=[1000]",
-            "data.batch_size=8", "model.name=faults:wide_linear", "model.options={width = 30000}",
-            "optimizer.momentum=0", "training.epochs=1", "checkpoint.every_steps=2", "checkpoint.keep=10",
-            f"run.dir={tmp_path}", "--nproc", "1"]  # a 120 MB model: each write takes a while
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *wide], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wide = [
+        "examples/digits_mlp.toml",
+        "data.name=synthetic",
+        "data.num_samples=100",
+        "data.input_shape=[1000]",
+        "data.batch_size=8",
+        "model.name=faults:wide_linear",
+        "model.options={width = 30000}",
+        "optimizer.momentum=0",
+        "training.epochs=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=10",
+        f"run.dir={tmp_path}",
+        "--nproc",
+        "1",
+    ]  # a 120 MB model: each write takes a while
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *wide],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     root = tmp_path / "checkpoints"
     partial = lambda: [p for p in root.glob(".partial-*")] if root.exists() else []  # noqa: E731
-    wait_for(lambda: (root / "step-2" / MARKER).exists() and partial() or proc.poll() is not None,
-             what="a checkpoint write after the first one")
+    wait_for(
+        lambda: ((root / "step-2" / MARKER).exists() and partial()) or proc.poll() is not None,
+        what="a checkpoint write after the first one",
+    )
     proc.kill()
     proc.wait(timeout=TIMEOUT)
     assert partial(), "the run finished before a write could be interrupted"
@@ -251,8 +323,11 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
     else:
         target.write_bytes(bytes(data[:-100]))
     result = run_job(run_dir, "--resume")  # refused by the launcher, before any worker starts
-    refused(result, f"checkpoint step-39 is damaged: {target} is {damage}",
-            f"delete {run_dir / 'checkpoints' / 'step-39'} to resume from step-30")
+    refused(
+        result,
+        f"checkpoint step-39 is damaged: {target} is {damage}",
+        f"delete {run_dir / 'checkpoints' / 'step-39'} to resume from step-30",
+    )
     if damage == "truncated":
         return
     # The fix the message gives works: step-30 loads, and the run ends bitwise where it should.
@@ -264,30 +339,48 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
 
 def test_a_checkpoint_from_another_world_size_is_refused(checkpointed, tmp_path):
     run_dir = copy_run(checkpointed, tmp_path / "run")
-    refused(run_job(run_dir, "--resume", nproc=1),
-            "checkpoint step-39 was written by 2 processes and this run has 1",
-            "resume with 2 processes")
+    refused(
+        run_job(run_dir, "--resume", nproc=1),
+        "checkpoint step-39 was written by 2 processes and this run has 1",
+        "resume with 2 processes",
+    )
 
 
 def test_a_checkpoint_of_another_model_shape_is_refused(checkpointed, tmp_path):
     run_dir = copy_run(checkpointed, tmp_path / "run")
-    refused(dtrain("run", *JOB, "model.options={hidden_size = 48}", "--nproc", "2", f"run.dir={run_dir}", "--resume"),
-            "checkpoint step-39 holds 'net.1.weight' of shape [32, 12] and this run's model has [48, 12]")
+    refused(
+        dtrain("run", *JOB, "model.options={hidden_size = 48}", "--nproc", "2", f"run.dir={run_dir}", "--resume"),
+        "checkpoint step-39 holds 'net.1.weight' of shape [32, 12] and this run's model has [48, 12]",
+    )
 
 
 def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused(checkpointed, tmp_path):
     refused(run_job(tmp_path / "empty", "--resume"), "holds no complete checkpoint to continue from")
     assert not (tmp_path / "empty").exists()
     run_dir = copy_run(checkpointed, tmp_path / "run")
-    refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)",
-            "--resume")
+    refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)", "--resume")
 
 
 def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(reference, tmp_path):
     slower = ", step_sleep_s = 0.3"  # about 12 s of training: the workers would outlive the check by far
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % slower, "--nproc", "2",
-                             f"run.dir={tmp_path}", "checkpoint.every_steps=5"], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe for workers to hold
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            MODEL % slower,
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+            "checkpoint.every_steps=5",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # no pipe for workers to hold
     wait_for(lambda: (tmp_path / "checkpoints" / "step-5").exists(), what="the first checkpoint")
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2
@@ -313,10 +406,26 @@ def test_slow_steps_agree_on_sigterm_within_the_grace_between_log_steps(tmp_path
     (the first epoch's evaluation), and waiting for the next log step (26, 6.5 s later) to agree on the stop
     would outlast the grace and lose the work. The ranks, having agreed on their pace at the second step,
     agree on a stop every 2 steps here (grace / 4 of steps), so the checkpoint is written in time."""
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % ", step_sleep_s = 0.5",
-                             "--nproc", "2", f"run.dir={tmp_path}", "training.log_every=26",
-                             "checkpoint.preempt_grace_s=4"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            MODEL % ", step_sleep_s = 0.5",
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+            "training.log_every=26",
+            "checkpoint.preempt_grace_s=4",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: logged_steps(tmp_path) >= 1, what="the first evaluation (step 13)")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=TIMEOUT)
@@ -329,9 +438,25 @@ def test_slow_steps_agree_on_sigterm_within_the_grace_between_log_steps(tmp_path
 def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
     """Steps of 5 s and checkpoint.preempt_grace_s = 1: torchrun does not wait for the step (and its
     checkpoint) to finish, it kills the workers when the grace ends."""
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, MODEL % ", step_sleep_s = 5.0",
-                             "--nproc", "2", f"run.dir={tmp_path}", "checkpoint.preempt_grace_s=1"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            MODEL % ", step_sleep_s = 5.0",
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+            "checkpoint.preempt_grace_s=1",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: logged_steps(tmp_path) >= 1, what="the first step")
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -352,7 +477,8 @@ def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(ref
     assert err.strip().splitlines()[-1] == (
         f"dtrain: error: could not write {tmp_path / 'model.safetensors'} (Is a directory); the trained "
         f"state is safe in {tmp_path / 'checkpoints'}/step-39: make room (or move what is in the way) and rerun "
-        f"the same command to write the weights")
+        f"the same command to write the weights"
+    )
     assert err.count("dtrain: error:") == 1
     (tmp_path / "model.safetensors").rmdir()
     rerun = ok(run_job(tmp_path, model_extra=SLOW))
@@ -402,14 +528,26 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path):
     # ~1.1 MB a checkpoint (weights + momentum): the first fits in 3 MB, the second does not.
-    job = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=200", "data.input_shape=[12]",
-           "model.name=faults:wide_linear", "model.options={width = 9000}", "training.epochs=4",
-           "checkpoint.every_steps=4", "checkpoint.keep=1", "--nproc", "2"]
+    job = [
+        "examples/digits_mlp.toml",
+        "data.name=synthetic",
+        "data.num_samples=200",
+        "data.input_shape=[12]",
+        "model.name=faults:wide_linear",
+        "model.options={width = 9000}",
+        "training.epochs=4",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep=1",
+        "--nproc",
+        "2",
+    ]
     run_dir = small_disk / "run"
     result = dtrain("run", *job, f"run.dir={run_dir}")
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert result.stderr.count("dtrain: error:") == 1 and last.startswith("dtrain: error: could not write checkpoint step-8")
+    assert result.stderr.count("dtrain: error:") == 1 and last.startswith(
+        "dtrain: error: could not write checkpoint step-8"
+    )
     assert "No space left on device" in last and "step-4 is intact" in last
     store = CheckpointStore(run_dir)
     assert [c.step for c in store.complete()] == [4]
@@ -417,8 +555,9 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp
     # The surviving checkpoint loads: resume it on a disk with room.
     moved = copy_run(run_dir, tmp_path / "roomy")
     resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
-    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 1\)$", resumed.stderr, re.M), \
+    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 1\)$", resumed.stderr, re.M), (
         resumed.stderr
+    )
 
 
 def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(small_disk, tmp_path):
@@ -431,9 +570,14 @@ def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(small
     spare = tmp_path / "spare"  # "another disk": where the system's temporary folder is
     spare.mkdir()
     run_dir = small_disk / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, big % SLOW, "--nproc", "2",
-                             f"run.dir={run_dir}"], cwd=ROOT, env=env(TMPDIR=str(spare)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *JOB, big % SLOW, "--nproc", "2", f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env(TMPDIR=str(spare)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: logged_steps(run_dir) >= 3, what="training to start")
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * (free - (200 << 10)))  # leave 200 KiB: enough for the logs
@@ -444,9 +588,12 @@ def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(small
     last = err.strip().splitlines()[-1]
     assert err.count("dtrain: error:") == 1 and last.startswith(
         f"dtrain: error: could not write {run_dir / 'model.safetensors'} (No space left on device), nor a "
-        f"checkpoint of the trained state ("), last
-    assert last.endswith(f"; the trained weights are safe in {rescued[0]}: copy them to "
-                         f"{run_dir / 'model.safetensors'} once there is room"), last
+        f"checkpoint of the trained state ("
+    ), last
+    assert last.endswith(
+        f"; the trained weights are safe in {rescued[0]}: copy them to "
+        f"{run_dir / 'model.safetensors'} once there is room"
+    ), last
     assert_same_weights(reference, rescued[0].parent)
     assert not [p for p in run_dir.rglob("*") if p.name.startswith(".partial-") or p.name.endswith(".tmp")]
 
@@ -458,5 +605,7 @@ def test_a_disk_too_small_for_the_final_weights_is_refused_before_training(small
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and re.fullmatch(
         rf"dtrain: error: run\.dir {re.escape(str(run_dir))} has [\d,]+ bytes free and the final "
-        r"model\.safetensors needs [\d,]+; make room or choose a run\.dir on a bigger disk", lines[0]), lines
+        r"model\.safetensors needs [\d,]+; make room or choose a run\.dir on a bigger disk",
+        lines[0],
+    ), lines
     assert not run_dir.exists()  # nothing half-written: the run.dir the refused run made is gone again

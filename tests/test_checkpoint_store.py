@@ -50,9 +50,14 @@ def test_the_same_step_written_again_replaces_the_old_one_whole(tmp_path):
     assert not list(store.root.glob(".partial-*"))
 
 
-@pytest.mark.parametrize("damage, words", [("flip", "is corrupt (checksum mismatch)"),
-                                           ("cut", "is truncated or altered (50 bytes, 100 expected)"),
-                                           ("delete", "is missing")])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("flip", "is corrupt (checksum mismatch)"),
+        ("cut", "is truncated or altered (50 bytes, 100 expected)"),
+        ("delete", "is missing"),
+    ],
+)
 def test_a_damaged_file_is_named_with_the_fix(tmp_path, damage, words):
     store = CheckpointStore(tmp_path)
     write_checkpoint(store, 1)
@@ -66,8 +71,9 @@ def test_a_damaged_file_is_named_with_the_fix(tmp_path, damage, words):
         target.unlink()
     with pytest.raises(CheckpointError) as info:
         store.check_intact(newest)
-    assert str(info.value) == (f"checkpoint step-2 is damaged: {target} {words}; delete {newest.path} to "
-                               f"resume from step-1")
+    assert str(info.value) == (
+        f"checkpoint step-2 is damaged: {target} {words}; delete {newest.path} to resume from step-1"
+    )
     assert store.check_intact(store.complete()[0])["step"] == 1  # the previous one is fine
 
 
@@ -79,10 +85,18 @@ def test_the_marker_lists_every_file(tmp_path):
 
 
 def test_the_run_dir_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from dtrain.checkpoint import RunDirLock; "
-        f"RunDirLock(Path({str(tmp_path)!r})).acquire(); print('locked', flush=True); time.sleep(60)")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from dtrain.checkpoint import RunDirLock; "
+                f"RunDirLock(Path({str(tmp_path)!r})).acquire(); print('locked', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(DtrainError, match=rf"run.dir {tmp_path} is in use by another run \(pid {holder.pid} on "):
@@ -106,8 +120,13 @@ def test_a_refused_start_leaves_no_run_dir_behind(tmp_path):
 
 def test_metrics_are_cut_back_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [{"step": 5, "loss": 1}, {"step": 6, "eval_loss": 1}, {"step": 10, "loss": 2},
-             {"step": 10, "eval_loss": 2}, {"step": 12, "loss": 3}]
+    lines = [
+        {"step": 5, "loss": 1},
+        {"step": 6, "eval_loss": 1},
+        {"step": 10, "loss": 2},
+        {"step": 10, "eval_loss": 2},
+        {"step": 12, "loss": 3},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 13, "lo')  # cut short
     truncate_metrics(path, 10, drop_eval_at_step=True)
     assert [json.loads(l) for l in path.read_text().splitlines()] == lines[:3]
@@ -123,22 +142,27 @@ def test_a_folder_not_named_as_dtrain_names_it_is_not_a_checkpoint(tmp_path):
     assert store.complete() == []
 
 
-@pytest.mark.parametrize("marker, problem", [
-    (None, "not a JSON object"),
-    ([], "not a JSON object"),
-    ({"step": 7, "world_size": 2, "files": {}}, "it says step 7"),
-    ({"step": 3, "world_size": 0, "files": {}}, "world_size 0"),
-    ({"step": 3, "world_size": 2, "files": {"data.bin": {"bytes": "100"}}}, "its file list is malformed"),
-    ({"step": 3, "world_size": 2, "files": []}, "its file list is malformed"),
-])
+@pytest.mark.parametrize(
+    "marker, problem",
+    [
+        (None, "not a JSON object"),
+        ([], "not a JSON object"),
+        ({"step": 7, "world_size": 2, "files": {}}, "it says step 7"),
+        ({"step": 3, "world_size": 0, "files": {}}, "world_size 0"),
+        ({"step": 3, "world_size": 2, "files": {"data.bin": {"bytes": "100"}}}, "its file list is malformed"),
+        ({"step": 3, "world_size": 2, "files": []}, "its file list is malformed"),
+    ],
+)
 def test_a_marker_of_the_wrong_shape_is_refused_in_one_line(tmp_path, marker, problem):
     store = CheckpointStore(tmp_path)
     checkpoint = write_checkpoint(store, 3)
     (checkpoint.path / MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError) as caught:
         store.check_intact(checkpoint)
-    assert str(caught.value) == (f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
-                                 f"{checkpoint.path} to resume from an earlier checkpoint")
+    assert str(caught.value) == (
+        f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
+        f"{checkpoint.path} to resume from an earlier checkpoint"
+    )
 
 
 def test_a_marker_that_omits_a_file_is_refused(tmp_path):

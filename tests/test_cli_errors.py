@@ -17,40 +17,58 @@ def refused(result, message: str, tmp_path) -> None:
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("args, message", [
-    (["trainig.epochs=3"], "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
-    (["training.epochs=three"], "training.epochs must be an integer; got 'three' (string)"),
-    (["training.grad_accum_steps=0"], "training.grad_accum_steps must be >= 1; got 0"),
-    (["data.batch_size=-4"], "data.batch_size must be >= 1; got -4"),
-    (["distributed.backend=nccl"], "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
-                                   "use distributed.backend=gloo (or auto)"),
-    (["data.name=mnist", "data.path=/no/such/dir"],
-     "data.path = '/no/such/dir' does not hold the MNIST IDX files (train-images-idx3-ubyte, "
-     "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); put them "
-     "there or set data.download=true"),
-    (["--nproc", "9", "data.name=synthetic", "data.num_samples=10"],
-     "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer"),
-    (["--nproc", "0"], "--nproc must be >= 1; got 0"),
-    (["--nproc", "1e3"], "dtrain run: argument --nproc: invalid int value: '1e3' (see dtrain run --help)"),
-    (["optimizer.lr=nan"], "optimizer.lr must be a finite number; got nan"),
-    (["training.max_grad_norm=inf"], "training.max_grad_norm must be a finite number; got inf"),
-    (["training.epochs=99999999999999999999999"],
-     "training.epochs = 99999999999999999999999 does not fit in 64 bits; use a smaller value"),
-    (["data.batch_size=100000000000"], "data.batch_size must be <= 16777216; got 100000000000"),
-    (["data.name=synthetic", "data.input_shape=[3, 4096, 4096]"],
-     "data.input_shape = [3, 4096, 4096] × data.num_samples = 60000 is over 2^34 values (64 GiB of float32) "
-     "for the synthetic data set; use fewer samples or smaller inputs"),
-    (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that "
-                        "every node can reach)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["trainig.epochs=3"], "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
+        (["training.epochs=three"], "training.epochs must be an integer; got 'three' (string)"),
+        (["training.grad_accum_steps=0"], "training.grad_accum_steps must be >= 1; got 0"),
+        (["data.batch_size=-4"], "data.batch_size must be >= 1; got -4"),
+        (
+            ["distributed.backend=nccl"],
+            "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
+            "use distributed.backend=gloo (or auto)",
+        ),
+        (
+            ["data.name=mnist", "data.path=/no/such/dir"],
+            "data.path = '/no/such/dir' does not hold the MNIST IDX files (train-images-idx3-ubyte, "
+            "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); put them "
+            "there or set data.download=true",
+        ),
+        (
+            ["--nproc", "9", "data.name=synthetic", "data.num_samples=10"],
+            "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer",
+        ),
+        (["--nproc", "0"], "--nproc must be >= 1; got 0"),
+        (["--nproc", "1e3"], "dtrain run: argument --nproc: invalid int value: '1e3' (see dtrain run --help)"),
+        (["optimizer.lr=nan"], "optimizer.lr must be a finite number; got nan"),
+        (["training.max_grad_norm=inf"], "training.max_grad_norm must be a finite number; got inf"),
+        (
+            ["training.epochs=99999999999999999999999"],
+            "training.epochs = 99999999999999999999999 does not fit in 64 bits; use a smaller value",
+        ),
+        (["data.batch_size=100000000000"], "data.batch_size must be <= 16777216; got 100000000000"),
+        (
+            ["data.name=synthetic", "data.input_shape=[3, 4096, 4096]"],
+            "data.input_shape = [3, 4096, 4096] × data.num_samples = 60000 is over 2^34 values (64 GiB of float32) "
+            "for the synthetic data set; use fewer samples or smaller inputs",
+        ),
+        (
+            ["--nnodes", "2"],
+            "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that every node can reach)",
+        ),
+    ],
+)
 def test_refused_before_any_worker_starts(tmp_path, args, message):
     refused(dtrain("run", CFG, *args, f"run.dir={tmp_path / 'run'}"), message, tmp_path)
 
 
 def test_missing_and_broken_config_files(tmp_path):
-    refused(dtrain("run", str(tmp_path / "nope.toml"), "--nproc", "2"),
-            f"config file {tmp_path / 'nope.toml'} does not exist; pass a TOML file such as "
-            f"examples/digits_mlp.toml", tmp_path)
+    refused(
+        dtrain("run", str(tmp_path / "nope.toml"), "--nproc", "2"),
+        f"config file {tmp_path / 'nope.toml'} does not exist; pass a TOML file such as examples/digits_mlp.toml",
+        tmp_path,
+    )
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nepochs = \n")
     result = dtrain("run", str(bad), "--nproc", "2")
@@ -58,33 +76,49 @@ def test_missing_and_broken_config_files(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
     device = dtrain("run", "/dev/zero")  # read as a config, it would never end
     assert device.returncode == 2 and device.stderr == (
-        "dtrain: error: config file /dev/zero is not a regular file; pass a TOML file\n")
+        "dtrain: error: config file /dev/zero is not a regular file; pass a TOML file\n"
+    )
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe[training]\n")
-    refused(dtrain("run", str(binary)), f"config file {binary} is not UTF-8 text (byte 0); TOML files are UTF-8",
-            tmp_path)
+    refused(
+        dtrain("run", str(binary)), f"config file {binary} is not UTF-8 text (byte 0); TOML files are UTF-8", tmp_path
+    )
 
 
 def test_a_problem_only_workers_can_see_is_reported_once(tmp_path):
     # The cnn needs image-shaped inputs; digits are flat: only building the model finds out, in
     # each of the 2 workers. The launcher prints it once.
-    refused(dtrain("run", CFG, "--nproc", "2", "model.name=cnn", f"run.dir={tmp_path / 'run'}"),
-            "model.name = 'cnn' needs image inputs shaped C×H×W; the data gives [64]; use model.name=mlp",
-            tmp_path)
+    refused(
+        dtrain("run", CFG, "--nproc", "2", "model.name=cnn", f"run.dir={tmp_path / 'run'}"),
+        "model.name = 'cnn' needs image inputs shaped C×H×W; the data gives [64]; use model.name=mlp",
+        tmp_path,
+    )
 
 
 def test_workers_under_plain_torchrun_print_once_too(tmp_path):
-    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "-m", "dtrain", "run", CFG, "model.name=cnn", f"run.dir={tmp_path / 'run'}"],
-                 extra_env={"OMP_NUM_THREADS": "1"})
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dtrain",
+            "run",
+            CFG,
+            "model.name=cnn",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode != 0
     assert result.stderr.count("model.name = 'cnn' needs image inputs") == 1
     assert not (tmp_path / "run").exists()
 
 
 def test_a_crash_is_reported_once_with_its_rank(tmp_path):
-    result = dtrain("run", CFG, "--nproc", "2", "data.name=user_factories:explode",
-                    f"run.dir={tmp_path / 'run'}")
+    result = dtrain("run", CFG, "--nproc", "2", "data.name=user_factories:explode", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 1
     assert result.stderr.count("RuntimeError: data factory exploded") == 1
     assert "dtrain: error: rank " in result.stderr
@@ -99,9 +133,11 @@ def test_unknown_command_and_missing_script():
 
 def test_an_empty_run_dir_is_refused(tmp_path):
     """run.dir=$UNSET_VARIABLE: nothing is written anywhere, least of all beside the config."""
-    refused(dtrain("run", str(ROOT / CFG), "run.dir=", cwd=tmp_path),
-            "run.dir is empty (an unset shell variable?); give the folder the run writes to, e.g. "
-            "run.dir=runs/first", tmp_path)
+    refused(
+        dtrain("run", str(ROOT / CFG), "run.dir=", cwd=tmp_path),
+        "run.dir is empty (an unset shell variable?); give the folder the run writes to, e.g. run.dir=runs/first",
+        tmp_path,
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -110,12 +146,18 @@ def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_pa
     own.write_text("# my notes\n[training]\nepochs = 1\n")
     own.chmod(0o640)
     before = own.read_bytes()
-    refused(dtrain("run", str(own), "run.dir=.", cwd=tmp_path),
-            "run.dir = '.' would write the run's config.toml over " + str(own) + ", the config being read; "
-            "choose another run.dir (e.g. run.dir=runs/config)", tmp_path)
-    refused(dtrain("run", CFG, f"run.dir={tmp_path}", "training.epochs=1"),
-            f"{own} is not a config dtrain wrote (a file of yours?) and a run writes its config.toml there; "
-            f"choose another run.dir, or move the file", tmp_path)
+    refused(
+        dtrain("run", str(own), "run.dir=.", cwd=tmp_path),
+        "run.dir = '.' would write the run's config.toml over " + str(own) + ", the config being read; "
+        "choose another run.dir (e.g. run.dir=runs/config)",
+        tmp_path,
+    )
+    refused(
+        dtrain("run", CFG, f"run.dir={tmp_path}", "training.epochs=1"),
+        f"{own} is not a config dtrain wrote (a file of yours?) and a run writes its config.toml there; "
+        f"choose another run.dir, or move the file",
+        tmp_path,
+    )
     assert own.read_bytes() == before and own.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
 
@@ -123,19 +165,38 @@ def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_pa
 def test_a_diverged_run_stops_in_one_line_instead_of_training_nans(tmp_path):
     """optimizer.lr=1e30 is a number the config accepts; the loss is nan at the first log step, and the
     run stops there on every rank (exit 2), writing neither a checkpoint nor weights of the broken state."""
-    result = dtrain("run", CFG, "optimizer.lr=1e30", "training.log_every=2", "checkpoint.every_steps=2",
-                    "--nproc", "2", f"run.dir={tmp_path / 'run'}")
+    result = dtrain(
+        "run",
+        CFG,
+        "optimizer.lr=1e30",
+        "training.log_every=2",
+        "checkpoint.every_steps=2",
+        "--nproc",
+        "2",
+        f"run.dir={tmp_path / 'run'}",
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error: ")]
     assert result.returncode == 2 and errors == [
         "dtrain: error: the training loss became nan by step 2: training diverged and goes no further; try "
         "optimizer.lr=1e+29 or training.max_grad_norm=1.0: rerun with that change and run.overwrite=true to start "
-        "afresh"], result.stderr
+        "afresh"
+    ], result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "model.safetensors").exists()
     # Diverging between log steps, with a checkpoint every step: the checkpoint of a step whose update
     # made the weights infinite is refused, not sealed; every sealed one holds finite weights.
     later = tmp_path / "later"
-    result = dtrain("run", CFG, "training.log_every=4", "checkpoint.every_steps=1", "checkpoint.keep=100",
-                    "scheduler.warmup_steps=8", "optimizer.lr=1e25", "--nproc", "2", f"run.dir={later}")
+    result = dtrain(
+        "run",
+        CFG,
+        "training.log_every=4",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=100",
+        "scheduler.warmup_steps=8",
+        "optimizer.lr=1e25",
+        "--nproc",
+        "2",
+        f"run.dir={later}",
+    )
     assert result.returncode == 2 and "training diverged and goes no further" in result.stderr, result.stderr
     sealed = sorted((later / "checkpoints").glob("step-*"))
     assert sealed and all(finite_weights(folder) for folder in sealed)
@@ -158,25 +219,49 @@ def test_outputs_get_the_users_normal_file_mode(tmp_path):
     less the umask, like any program's; a umask of 002 (group-writable) shows a hard-coded 0644 or 0600."""
     before = os.umask(0o002)
     try:
-        ok(dtrain("run", CFG, "training.epochs=1", "checkpoint.every_steps=5", "--nproc", "2",
-                  f"run.dir={tmp_path / 'run'}"))
+        ok(
+            dtrain(
+                "run",
+                CFG,
+                "training.epochs=1",
+                "checkpoint.every_steps=5",
+                "--nproc",
+                "2",
+                f"run.dir={tmp_path / 'run'}",
+            )
+        )
     finally:
         os.umask(before)
     written = list((tmp_path / "run").rglob("*"))
-    assert {p.name for p in written} >= {"config.toml", "metrics.jsonl", "model.safetensors", ".lock", "trainer.json",
-                                         "rng-rank1.safetensors", "COMPLETE.json", ".metadata"}
+    assert {p.name for p in written} >= {
+        "config.toml",
+        "metrics.jsonl",
+        "model.safetensors",
+        ".lock",
+        "trainer.json",
+        "rng-rank1.safetensors",
+        "COMPLETE.json",
+        ".metadata",
+    }
     for path in written:
         mode = path.stat().st_mode & 0o777
         assert mode == (0o775 if path.is_dir() else 0o664), f"{path}: {oct(mode)}"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["data.name=user_factories:returns_a_string"],
-     "data.name = 'user_factories:returns_a_string' returned str as its training set; it must return a "
-     "map-style Dataset (with __getitem__ and __len__), (train, eval) or {'train': ..., 'eval': ...}"),
-    (["model.name=user_factories:no_parameters"],
-     "the model (ReLU) has no trainable parameters: there is nothing to train; give a torch.nn.Module with "
-     "parameters that require gradients"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["data.name=user_factories:returns_a_string"],
+            "data.name = 'user_factories:returns_a_string' returned str as its training set; it must return a "
+            "map-style Dataset (with __getitem__ and __len__), (train, eval) or {'train': ..., 'eval': ...}",
+        ),
+        (
+            ["model.name=user_factories:no_parameters"],
+            "the model (ReLU) has no trainable parameters: there is nothing to train; give a torch.nn.Module with "
+            "parameters that require gradients",
+        ),
+    ],
+)
 def test_factories_of_the_wrong_kind_are_reported_once_by_the_workers(tmp_path, args, message):
     refused(dtrain("run", CFG, *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}"), message, tmp_path)

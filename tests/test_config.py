@@ -11,12 +11,26 @@ from helpers import ROOT
 
 def test_defaults_and_required_keys_exist():
     keys = set(all_keys())
-    for key in ("run.dir", "run.seed", "data.batch_size", "training.epochs", "training.grad_accum_steps",
-                "training.precision", "training.max_grad_norm", "distributed.backend",
-                "distributed.init_method", "distributed.bucket_cap_mb",
-                "distributed.gradient_as_bucket_view", "distributed.static_graph",
-                "distributed.find_unused_parameters", "data.num_workers", "data.pin_memory",
-                "data.persistent_workers", "data.prefetch_factor", "training.log_every"):
+    for key in (
+        "run.dir",
+        "run.seed",
+        "data.batch_size",
+        "training.epochs",
+        "training.grad_accum_steps",
+        "training.precision",
+        "training.max_grad_norm",
+        "distributed.backend",
+        "distributed.init_method",
+        "distributed.bucket_cap_mb",
+        "distributed.gradient_as_bucket_view",
+        "distributed.static_graph",
+        "distributed.find_unused_parameters",
+        "data.num_workers",
+        "data.pin_memory",
+        "data.persistent_workers",
+        "data.prefetch_factor",
+        "training.log_every",
+    ):
         assert key in keys
     c = Config()
     assert (c.distributed.backend, c.training.precision, c.data.name, c.model.name) == ("auto", "fp32", "digits", "mlp")
@@ -24,10 +38,19 @@ def test_defaults_and_required_keys_exist():
 
 def test_file_then_overrides_with_toml_typed_values(tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text('[training]\nepochs = 7\n[optimizer]\nlr = 0.5\n')
-    c = load_config(path, ["training.epochs=3", "optimizer.lr=0.05", "run.dir=runs/x y",
-                           "data.input_shape=[3, 8, 8]", "training.precision=bf16",
-                           "distributed.static_graph=true", "optimizer.momentum=0"])
+    path.write_text("[training]\nepochs = 7\n[optimizer]\nlr = 0.5\n")
+    c = load_config(
+        path,
+        [
+            "training.epochs=3",
+            "optimizer.lr=0.05",
+            "run.dir=runs/x y",
+            "data.input_shape=[3, 8, 8]",
+            "training.precision=bf16",
+            "distributed.static_graph=true",
+            "optimizer.momentum=0",
+        ],
+    )
     assert c.training.epochs == 3
     assert c.optimizer.lr == 0.05
     assert c.run.dir == "runs/x y"
@@ -48,40 +71,43 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(out) == c
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainig.epochs=3", "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
-    ("training.epoch=3", "did you mean 'training.epochs'?"),
-    ("optimizer.learning_rate=0.1", "unknown key 'optimizer.learning_rate'"),
-    ("training.epochs=three", "training.epochs must be an integer; got 'three' (string)"),
-    ("training.epochs=2.5", "training.epochs must be an integer; got 2.5 (number)"),
-    ("training.epochs=0", "training.epochs must be >= 1; got 0"),
-    ("optimizer.lr=0", "optimizer.lr must be > 0; got 0"),
-    ("optimizer.momentum=1.5", "optimizer.momentum must be <= 1; got 1.5"),
-    ("training.precision=fp8", "training.precision must be one of fp32, bf16, fp16; got 'fp8'"),
-    ("distributed.backend=ncl", "did you mean 'nccl'?"),
-    ("distributed.static_graph=yes", "distributed.static_graph must be true or false"),
-    ("data.input_shape=7", "data.input_shape must be a list"),
-    ("distributed.init_method=udp://x:1", "distributed.init_method = 'udp://x:1' is not supported"),
-    ("distributed.init_method=tcp://host", "needs a port"),
-    ("model.name=mpl", "did you mean 'mlp'?"),
-    ("data.name=my.module", "nor a factory 'package.module:function'"),
-    ("optimizer.betas=[0.9]", "optimizer.betas = [0.9] must be two numbers"),
-    ("epochs", "override 'epochs' is not key=value"),
-    ("training=3", "names a section, not a key"),
-    ("optimizer.lr=1e39", "optimizer.lr = 1e+39 is beyond what a 32-bit float holds (about 3.4e38)"),
-    ("distributed.bucket_cap_mb=1e300", "distributed.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
-    ("distributed.timeout_s=1e30", "distributed.timeout_s must be <= 31536000; got 1e+30"),
-    ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
-    ("distributed.timeout_s=0.01", "distributed.timeout_s must be >= 5; got 0.01"),
-    ("distributed.hang_timeout_s=0.0001", "distributed.hang_timeout_s = 0.0001 would call every step a hang"),
-    ("distributed.init_method=tcp://:29500", "needs a host: tcp://host:port"),
-    ("distributed.init_method=tcp://h:0", "needs a port: tcp://host:port (1-65535)"),
-    ("distributed.init_method=file://", "needs an absolute file path"),
-    ("distributed.init_method=file:///no/such/dir/x", "names a file in /no/such/dir, which is not a folder here"),
-    ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
-    ("training.compile=yes", "training.compile must be one of none, blocks, model (or true, false); got 'yes'"),
-    ("distributed.strategy=FSDP", "did you mean 'fsdp'?"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainig.epochs=3", "unknown key 'trainig.epochs' on the command line; did you mean 'training.epochs'?"),
+        ("training.epoch=3", "did you mean 'training.epochs'?"),
+        ("optimizer.learning_rate=0.1", "unknown key 'optimizer.learning_rate'"),
+        ("training.epochs=three", "training.epochs must be an integer; got 'three' (string)"),
+        ("training.epochs=2.5", "training.epochs must be an integer; got 2.5 (number)"),
+        ("training.epochs=0", "training.epochs must be >= 1; got 0"),
+        ("optimizer.lr=0", "optimizer.lr must be > 0; got 0"),
+        ("optimizer.momentum=1.5", "optimizer.momentum must be <= 1; got 1.5"),
+        ("training.precision=fp8", "training.precision must be one of fp32, bf16, fp16; got 'fp8'"),
+        ("distributed.backend=ncl", "did you mean 'nccl'?"),
+        ("distributed.static_graph=yes", "distributed.static_graph must be true or false"),
+        ("data.input_shape=7", "data.input_shape must be a list"),
+        ("distributed.init_method=udp://x:1", "distributed.init_method = 'udp://x:1' is not supported"),
+        ("distributed.init_method=tcp://host", "needs a port"),
+        ("model.name=mpl", "did you mean 'mlp'?"),
+        ("data.name=my.module", "nor a factory 'package.module:function'"),
+        ("optimizer.betas=[0.9]", "optimizer.betas = [0.9] must be two numbers"),
+        ("epochs", "override 'epochs' is not key=value"),
+        ("training=3", "names a section, not a key"),
+        ("optimizer.lr=1e39", "optimizer.lr = 1e+39 is beyond what a 32-bit float holds (about 3.4e38)"),
+        ("distributed.bucket_cap_mb=1e300", "distributed.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
+        ("distributed.timeout_s=1e30", "distributed.timeout_s must be <= 31536000; got 1e+30"),
+        ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
+        ("distributed.timeout_s=0.01", "distributed.timeout_s must be >= 5; got 0.01"),
+        ("distributed.hang_timeout_s=0.0001", "distributed.hang_timeout_s = 0.0001 would call every step a hang"),
+        ("distributed.init_method=tcp://:29500", "needs a host: tcp://host:port"),
+        ("distributed.init_method=tcp://h:0", "needs a port: tcp://host:port (1-65535)"),
+        ("distributed.init_method=file://", "needs an absolute file path"),
+        ("distributed.init_method=file:///no/such/dir/x", "names a file in /no/such/dir, which is not a folder here"),
+        ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
+        ("training.compile=yes", "training.compile must be one of none, blocks, model (or true, false); got 'yes'"),
+        ("distributed.strategy=FSDP", "did you mean 'fsdp'?"),
+    ],
+)
 def test_bad_overrides_get_one_clear_line(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])

@@ -6,7 +6,6 @@ import torch
 
 from dtrain import data, models
 from dtrain.config import load_config
-from dtrain.data import mnist
 from dtrain.errors import ConfigError, DataError
 from helpers import fake_mnist, write_idx
 
@@ -14,8 +13,10 @@ from helpers import fake_mnist, write_idx
 @pytest.mark.parametrize("gz", [True, False])
 def test_mnist_idx_files_plain_or_gzipped(tmp_path, gz):
     rng = np.random.default_rng(5)
-    arrays = {"train": (rng.integers(0, 256, (30, 28, 28)), rng.integers(0, 10, 30)),
-              "t10k": (rng.integers(0, 256, (10, 28, 28)), rng.integers(0, 10, 10))}
+    arrays = {
+        "train": (rng.integers(0, 256, (30, 28, 28)), rng.integers(0, 10, 30)),
+        "t10k": (rng.integers(0, 256, (10, 28, 28)), rng.integers(0, 10, 10)),
+    }
     suffix = ".gz" if gz else ""
     for prefix, (images, labels) in arrays.items():
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte{suffix}", images)
@@ -38,7 +39,9 @@ def test_mnist_in_torchvision_layout(tmp_path):
 
 def test_mnist_missing_and_corrupt_files_are_named(tmp_path):
     cfg = load_config(None, ["data.name=mnist", f"data.path={tmp_path}"])
-    with pytest.raises(DataError, match=f"data.path = '{tmp_path}' does not hold the MNIST IDX files.*data.download=true"):
+    with pytest.raises(
+        DataError, match=f"data.path = '{tmp_path}' does not hold the MNIST IDX files.*data.download=true"
+    ):
         data.build(cfg)
     with pytest.raises(DataError, match="does not hold the MNIST IDX files"):
         data.prepare(cfg)  # the launcher's check, before any worker starts
@@ -67,11 +70,13 @@ def test_an_empty_mnist_file_is_named_by_the_launcher(tmp_path):
 
     fake_mnist(tmp_path, n_train=8, n_test=4, gz=False)
     (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"")
-    result = dtrain_cli("run", "examples/mnist_mlp.toml", "--nproc", "2", f"data.path={tmp_path}",
-                        f"run.dir={tmp_path / 'run'}")
+    result = dtrain_cli(
+        "run", "examples/mnist_mlp.toml", "--nproc", "2", f"data.path={tmp_path}", f"run.dir={tmp_path / 'run'}"
+    )
     assert result.returncode == 2 and result.stderr.strip() == (
         f"dtrain: error: {tmp_path / 'train-labels-idx1-ubyte'} is not an IDX file (bad header); replace it "
-        f"with the original MNIST file")
+        f"with the original MNIST file"
+    )
 
 
 def test_digits_split_is_fixed_and_size_hint_agrees():
@@ -83,8 +88,9 @@ def test_digits_split_is_fixed_and_size_hint_agrees():
 
 
 def test_synthetic_is_deterministic_and_shaped():
-    cfg = load_config(None, ["data.name=synthetic", "data.num_samples=500", "data.input_shape=[1, 4, 4]",
-                             "data.num_classes=3"])
+    cfg = load_config(
+        None, ["data.name=synthetic", "data.num_samples=500", "data.input_shape=[1, 4, 4]", "data.num_classes=3"]
+    )
     a, b = data.build(cfg), data.build(cfg)
     assert torch.equal(a.train.tensors[0], b.train.tensors[0])
     assert a.train.tensors[0].shape == (400, 1, 4, 4) and a.num_classes == 3
@@ -93,32 +99,40 @@ def test_synthetic_is_deterministic_and_shaped():
 
 
 def test_user_factories_for_data_and_model():
-    cfg = load_config(None, ["data.name=user_factories:tiny_data", "model.name=user_factories:wide_model",
-                             "model.options={width = 5}"])
+    cfg = load_config(
+        None,
+        ["data.name=user_factories:tiny_data", "model.name=user_factories:wide_model", "model.options={width = 5}"],
+    )
     splits = data.build(cfg)
     assert (len(splits.train), len(splits.eval), splits.input_shape, splits.num_classes) == (64, 32, (6,), 4)
     model = models.build(cfg.model, splits.input_shape, splits.num_classes)
     assert model[0].out_features == 5
 
 
-@pytest.mark.parametrize("ref, message", [
-    ("no_such_module:f", "cannot import module 'no_such_module'"),
-    ("user_factories:missing", "module 'user_factories' has no function 'missing'"),
-    ("user_factories:not_a_model", "returned str, not a torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        ("no_such_module:f", "cannot import module 'no_such_module'"),
+        ("user_factories:missing", "module 'user_factories' has no function 'missing'"),
+        ("user_factories:not_a_model", "returned str, not a torch.nn.Module"),
+    ],
+)
 def test_bad_model_factories(ref, message):
     with pytest.raises(ConfigError, match=message):
         models.build(load_config(None, [f"model.name={ref}"]).model, (6,), 4)
 
 
-@pytest.mark.parametrize("factory, message", [
-    ("returns_a_string", "returned str as its training set; it must return a map-style Dataset"),
-    ("returns_a_number", "returned int as its training set; it must return a map-style Dataset"),
-    ("returns_a_dict_without_train", "returned NoneType as its training set"),
-    ("returns_an_empty_set", "returned an empty dataset as its training set"),
-    ("returns_a_bad_eval_set", "returned int as its eval set"),
-    ("returns_unreadable_samples", "its first training sample cannot be read as (input, label) (KeyError: "),
-])
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("returns_a_string", "returned str as its training set; it must return a map-style Dataset"),
+        ("returns_a_number", "returned int as its training set; it must return a map-style Dataset"),
+        ("returns_a_dict_without_train", "returned NoneType as its training set"),
+        ("returns_an_empty_set", "returned an empty dataset as its training set"),
+        ("returns_a_bad_eval_set", "returned int as its eval set"),
+        ("returns_unreadable_samples", "its first training sample cannot be read as (input, label) (KeyError: "),
+    ],
+)
 def test_data_factories_returning_the_wrong_kind_are_refused_in_one_line(factory, message):
     with pytest.raises(DataError) as refused:
         data.build(load_config(None, [f"data.name=user_factories:{factory}"]))

@@ -9,15 +9,32 @@ from dtrain.errors import ConfigError, EnvironmentProblem
 
 
 def test_torchrun_variables():
-    env = detect_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"})
+    env = detect_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29400",
+        }
+    )
     assert env == DistEnv(3, 8, 1, 4, "10.0.0.1", 29400, "torchrun")
 
 
 def test_srun_task_variables():
-    env = detect_env({"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                      "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "4242",
-                      "SLURM_STEP_NODELIST": "gpu[007-008]"})
+    env = detect_env(
+        {
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_NODELIST": "gpu[007-008]",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.master_addr == "gpu007"
     assert env.master_port == 15000 + 4242 % 20000
@@ -30,19 +47,26 @@ def test_a_batch_script_without_srun_is_not_a_worker():
     assert env.launcher == "single" and env.world_size == 1
 
 
-@pytest.mark.parametrize("nodelist, first", [("node01", "node01"), ("gpu[003-005,010]", "gpu003"),
-                                             ("a[1,3],b7", "a1"), ("host-a,host-b", "host-a")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("node01", "node01"), ("gpu[003-005,010]", "gpu003"), ("a[1,3],b7", "a1"), ("host-a,host-b", "host-a")],
+)
 def test_slurm_nodelist(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
 
 def test_open_mpi_variables():
-    env = detect_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-                      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    env = detect_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (1, 2, 1, "127.0.0.1", "mpi")
     with pytest.raises(EnvironmentProblem, match="MASTER_ADDR"):
-        detect_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
-                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+        detect_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
 
 
 def test_no_launcher_is_one_process():

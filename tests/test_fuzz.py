@@ -18,27 +18,56 @@ from dtrain.config import Config, all_keys, load_config
 from dtrain.data import mnist
 from dtrain.errors import DtrainError
 from dtrain.report import build_figures, load_records, summary
-from helpers import ROOT, dtrain as run_dtrain
-
+from helpers import ROOT
+from helpers import dtrain as run_dtrain
 
 
 def fuzz(examples: int):
     """Seeded (the same cases every run), bounded, no example database left in the tree."""
-    return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
 
 toml_ish = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(lambda f: repr(f).replace("inf", "inf")),
-    st.sampled_from(["true", "false", "nan", "-inf", "[]", "[1, 2]", "[0.9, 0.999]", "{}", "{a = 1}", '""', "''",
-                     "[[1]]", "1e400", "0x10", "1_000", "'x'", "\"digits\"", "auto", "-0"]),
+    st.sampled_from(
+        [
+            "true",
+            "false",
+            "nan",
+            "-inf",
+            "[]",
+            "[1, 2]",
+            "[0.9, 0.999]",
+            "{}",
+            "{a = 1}",
+            '""',
+            "''",
+            "[[1]]",
+            "1e400",
+            "0x10",
+            "1_000",
+            "'x'",
+            '"digits"',
+            "auto",
+            "-0",
+        ]
+    ),
     st.text(alphabet=string.printable, max_size=12),
 )
 
 
 @fuzz(300)
-@given(key=st.one_of(st.sampled_from(all_keys()), st.text(alphabet=string.ascii_letters + "._", max_size=20)),
-       value=toml_ish)
+@given(
+    key=st.one_of(st.sampled_from(all_keys()), st.text(alphabet=string.ascii_letters + "._", max_size=20)),
+    value=toml_ish,
+)
 def test_any_override_is_accepted_or_refused_in_one_line(key, value):
     try:
         config = load_config(None, [f"{key}={value}"])
@@ -85,13 +114,27 @@ def test_every_value_the_config_accepts_trains_or_is_refused_in_one_line(tmp_pat
     key, value = pair
     run_dir = tmp_path_factory.mktemp("extreme")
     try:
-        config = load_config(None, [f"run.dir={run_dir}", "training.epochs=1", "training.max_steps=2",
-                                    "data.batch_size=8", "monitor.trackers=[]", "monitor.flops=no",
-                                    "data.name=synthetic", f"{key}={value}"])
+        config = load_config(
+            None,
+            [
+                f"run.dir={run_dir}",
+                "training.epochs=1",
+                "training.max_steps=2",
+                "data.batch_size=8",
+                "monitor.trackers=[]",
+                "monitor.flops=no",
+                "data.name=synthetic",
+                f"{key}={value}",
+            ],
+        )
         torch.manual_seed(0)
         x = torch.randn(40, 4)
-        dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=TensorDataset(x, (x[:, 0] > 0).long()),
-                       eval_data=TensorDataset(x[:8], (x[:8, 0] > 0).long())).fit()
+        dtrain.Trainer(
+            config,
+            model=torch.nn.Linear(4, 2),
+            train_data=TensorDataset(x, (x[:, 0] > 0).long()),
+            eval_data=TensorDataset(x[:8], (x[:8, 0] > 0).long()),
+        ).fit()
     except DtrainError as exc:
         assert "\n" not in str(exc) and str(exc)
 
@@ -104,8 +147,17 @@ def test_the_command_line_answers_any_override_with_success_or_one_line_and_exit
     home = tmp_path_factory.mktemp("cli")
     (home / "notes.txt").write_text("mine")
     before = tree(home)
-    result = run_dtrain("run", str(ROOT / "examples" / "digits_mlp.toml"), "training.epochs=1", "training.max_steps=3",
-                    "monitor.trackers=[]", "monitor.flops=no", f"{key}={value}", "run.dir=run", cwd=home)
+    result = run_dtrain(
+        "run",
+        str(ROOT / "examples" / "digits_mlp.toml"),
+        "training.epochs=1",
+        "training.max_steps=3",
+        "monitor.trackers=[]",
+        "monitor.flops=no",
+        f"{key}={value}",
+        "run.dir=run",
+        cwd=home,
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     if result.returncode != 0:
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: "), result.stderr
@@ -145,11 +197,22 @@ def test_the_launchers_checks_change_nothing_outside_run_dir(tmp_path_factory, k
 
 
 @fuzz(200)
-@given(raw=st.dictionaries(st.sampled_from(["run", "data", "training", "optimizer", "model", "bogus"]),
-                           st.one_of(st.dictionaries(st.text(max_size=15), st.one_of(
-                               st.integers(), st.floats(), st.text(max_size=8), st.booleans(),
-                               st.lists(st.integers(), max_size=3))), st.integers(), st.text(max_size=5)),
-                           max_size=4))
+@given(
+    raw=st.dictionaries(
+        st.sampled_from(["run", "data", "training", "optimizer", "model", "bogus"]),
+        st.one_of(
+            st.dictionaries(
+                st.text(max_size=15),
+                st.one_of(
+                    st.integers(), st.floats(), st.text(max_size=8), st.booleans(), st.lists(st.integers(), max_size=3)
+                ),
+            ),
+            st.integers(),
+            st.text(max_size=5),
+        ),
+        max_size=4,
+    )
+)
 def test_any_config_file_content_is_accepted_or_refused_in_one_line(raw):
     try:
         Config.from_dict(raw, source="fuzz.toml")
@@ -158,14 +221,36 @@ def test_any_config_file_content_is_accepted_or_refused_in_one_line(raw):
 
 
 @fuzz(80)
-@given(lines=st.lists(st.one_of(
-    st.text(max_size=40),
-    st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
-    st.dictionaries(st.sampled_from(["step", "loss", "epoch", "samples_per_s", "eval_loss", "rank_busy_ms",
-                                     "data_ms", "compute_ms", "comm_ms", "optimizer_ms", "stragglers"]),
-                    st.one_of(st.integers(), st.floats(), st.text(max_size=4), st.none(),
-                              st.lists(st.floats(), max_size=3))).map(json.dumps),
-    st.just(json.dumps({"step": 1, "loss": 0.5, "epoch": 0, "samples_per_s": 10.0}))), max_size=8))
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.text(max_size=40),
+            st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "step",
+                        "loss",
+                        "epoch",
+                        "samples_per_s",
+                        "eval_loss",
+                        "rank_busy_ms",
+                        "data_ms",
+                        "compute_ms",
+                        "comm_ms",
+                        "optimizer_ms",
+                        "stragglers",
+                    ]
+                ),
+                st.one_of(
+                    st.integers(), st.floats(), st.text(max_size=4), st.none(), st.lists(st.floats(), max_size=3)
+                ),
+            ).map(json.dumps),
+            st.just(json.dumps({"step": 1, "loss": 0.5, "epoch": 0, "samples_per_s": 10.0})),
+        ),
+        max_size=8,
+    )
+)
 def test_any_metrics_file_is_reported_or_refused_in_one_line(tmp_path_factory, lines):
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "metrics.jsonl").write_text("\n".join(lines), encoding="utf-8", errors="surrogateescape")
@@ -188,8 +273,9 @@ def a_checkpoint(tmp_path_factory):
     from torch.utils.data import TensorDataset
 
     run_dir = tmp_path_factory.mktemp("checkpointed")
-    config = Config.from_dict({"run": {"dir": str(run_dir)}, "data": {"batch_size": 8},
-                               "training": {"epochs": 1, "stop_at_step": 2}})
+    config = Config.from_dict(
+        {"run": {"dir": str(run_dir)}, "data": {"batch_size": 8}, "training": {"epochs": 1, "stop_at_step": 2}}
+    )
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=TensorDataset(x, (x[:, 0] > 0).long())).fit()
@@ -197,12 +283,20 @@ def a_checkpoint(tmp_path_factory):
 
 
 @fuzz(120)
-@given(marker=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
-                           lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                   st.dictionaries(st.sampled_from(
-                                                       ["step", "files", "world_size", "bytes", "crc32",
-                                                        "trainer.json", "state/.metadata"]), inner, max_size=4)),
-                           max_leaves=10))
+@given(
+    marker=st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(
+                st.sampled_from(["step", "files", "world_size", "bytes", "crc32", "trainer.json", "state/.metadata"]),
+                inner,
+                max_size=4,
+            ),
+        ),
+        max_leaves=10,
+    )
+)
 def test_any_checkpoint_marker_is_trusted_or_refused_in_one_line(a_checkpoint, tmp_path_factory, marker):
     run_dir = tmp_path_factory.mktemp("copy")
     shutil.copytree(a_checkpoint / "checkpoints", run_dir / "checkpoints")
@@ -214,16 +308,34 @@ def test_any_checkpoint_marker_is_trusted_or_refused_in_one_line(a_checkpoint, t
         assert "\n" not in str(exc)
 
 
-_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40), st.floats(), st.text(max_size=6)),
-                     lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                             st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=8)
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40), st.floats(), st.text(max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8,
+)
 
 
 @fuzz(40)
-@given(field=st.sampled_from(["step", "epoch", "world_size", "samples_per_step", "optimizer", "scheduler", "scaler",
-                              "identity", "unscheduled_skips", None]), value=_json)
-def test_any_trainer_state_sealed_into_a_checkpoint_resumes_or_is_refused_in_one_line(a_checkpoint, tmp_path_factory,
-                                                                                      field, value):
+@given(
+    field=st.sampled_from(
+        [
+            "step",
+            "epoch",
+            "world_size",
+            "samples_per_step",
+            "optimizer",
+            "scheduler",
+            "scaler",
+            "identity",
+            "unscheduled_skips",
+            None,
+        ]
+    ),
+    value=_json,
+)
+def test_any_trainer_state_sealed_into_a_checkpoint_resumes_or_is_refused_in_one_line(
+    a_checkpoint, tmp_path_factory, field, value
+):
     """trainer.json edited (one field replaced, or the whole file) and the marker resealed to match, as a
     careless tool might: the resume either works or is refused in one line, never a traceback."""
     import zlib
@@ -240,8 +352,14 @@ def test_any_trainer_state_sealed_into_a_checkpoint_resumes_or_is_refused_in_one
     marker = json.loads((folder / "COMPLETE.json").read_text())
     marker["files"]["trainer.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     (folder / "COMPLETE.json").write_text(json.dumps(marker))
-    config = Config.from_dict({"run": {"dir": str(run_dir)}, "data": {"batch_size": 8},
-                               "training": {"epochs": 1}, "monitor": {"trackers": []}})
+    config = Config.from_dict(
+        {
+            "run": {"dir": str(run_dir)},
+            "data": {"batch_size": 8},
+            "training": {"epochs": 1},
+            "monitor": {"trackers": []},
+        }
+    )
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     try:
@@ -262,11 +380,23 @@ def test_any_idx_file_is_read_or_refused_in_one_line(tmp_path_factory, header, b
 
 
 @fuzz(150)
-@given(meta=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
-                         lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(
-                             ["format", "dtype", "vocab_size", "splits", "train", "val", "files", "tokens",
-                              "tokenizer"]), inner, max_size=5)), max_leaves=12),
-       shape=st.sampled_from(["as is", "dtrain-tokens"]))
+@given(
+    meta=st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(
+                st.sampled_from(
+                    ["format", "dtype", "vocab_size", "splits", "train", "val", "files", "tokens", "tokenizer"]
+                ),
+                inner,
+                max_size=5,
+            ),
+        ),
+        max_leaves=12,
+    ),
+    shape=st.sampled_from(["as is", "dtrain-tokens"]),
+)
 def test_any_token_meta_json_is_read_or_refused_in_one_line(tmp_path_factory, meta, shape):
     from dtrain.data.tokens import read_meta
 

@@ -56,8 +56,14 @@ def test_a_worker_given_one_gpu_binds_it_whatever_its_local_rank(gpus, own_envir
     bound = gpus(1)
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
-    environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    environ = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "3",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     session = distributed.start(DistributedConfig(), environ)
     assert (session.backend, session.device) == ("nccl", torch.device("cuda", 0))
     assert bound == [torch.device("cuda", 0)]
@@ -66,8 +72,9 @@ def test_a_worker_given_one_gpu_binds_it_whatever_its_local_rank(gpus, own_envir
 
 def test_a_worker_that_sees_every_gpu_binds_its_own(gpus):
     bound = gpus(4)
-    assert distributed.bind_device(DistEnv(rank=2, world_size=4, local_rank=2, local_world_size=4)) == \
-        torch.device("cuda", 2)
+    assert distributed.bind_device(DistEnv(rank=2, world_size=4, local_rank=2, local_world_size=4)) == torch.device(
+        "cuda", 2
+    )
     assert bound == [torch.device("cuda", 2)]
     assert distributed.device_index(5, 4) == 1  # 8 processes on a 4-GPU node share them in turn
     with pytest.raises(EnvironmentProblem, match="sees no GPU"):
@@ -97,9 +104,15 @@ def test_the_launcher_asks_a_child_process_about_gpus(monkeypatch):
 # --- 7: bf16 only where it is native ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, capability, refused", [
-    ("Tesla V100-SXM2-16GB", (7, 0), True), ("Tesla T4", (7, 5), True),
-    ("NVIDIA A100-SXM4-80GB", (8, 0), False), ("NVIDIA H200", (9, 0), False)])
+@pytest.mark.parametrize(
+    "name, capability, refused",
+    [
+        ("Tesla V100-SXM2-16GB", (7, 0), True),
+        ("Tesla T4", (7, 5), True),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), False),
+        ("NVIDIA H200", (9, 0), False),
+    ],
+)
 def test_bf16_is_refused_where_the_gpu_only_emulates_it(name, capability, refused):
     problem = precision_problem("bf16", "cuda", name, capability)
     if refused:
@@ -122,20 +135,23 @@ def test_the_launcher_refuses_bf16_on_an_emulating_gpu_before_starting_workers(g
 # --- 4: peak FLOP/s per exact device name, and for the math fp32 really uses ----------------------
 
 
-@pytest.mark.parametrize("name, precision, tf32, tflops", [
-    ("NVIDIA L40", "bf16", True, 181.0),  # not the L4's 121 (a substring match gave that)
-    ("NVIDIA L4", "bf16", True, 121.0),
-    ("NVIDIA L40S", "bf16", True, 362.1),
-    ("NVIDIA H100 PCIe", "bf16", True, 756.5),  # not the SXM's 989
-    ("NVIDIA H100 NVL", "bf16", True, 835.5),
-    ("NVIDIA H100 80GB HBM3", "bf16", True, 989.4),
-    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),  # TF32 tensor cores
-    ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9),  # true FP32
-    ("NVIDIA A100-SXM4-40GB", "fp32", True, 156.0),
-    ("Tesla V100-SXM2-16GB", "fp32", True, 15.7),  # no TF32 on Volta: FP32 either way
-    ("Tesla T4", "fp16", True, 65.0),
-    ("NVIDIA GeForce RTX 4090", "fp16", True, 165.2),
-])
+@pytest.mark.parametrize(
+    "name, precision, tf32, tflops",
+    [
+        ("NVIDIA L40", "bf16", True, 181.0),  # not the L4's 121 (a substring match gave that)
+        ("NVIDIA L4", "bf16", True, 121.0),
+        ("NVIDIA L40S", "bf16", True, 362.1),
+        ("NVIDIA H100 PCIe", "bf16", True, 756.5),  # not the SXM's 989
+        ("NVIDIA H100 NVL", "bf16", True, 835.5),
+        ("NVIDIA H100 80GB HBM3", "bf16", True, 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),  # TF32 tensor cores
+        ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9),  # true FP32
+        ("NVIDIA A100-SXM4-40GB", "fp32", True, 156.0),
+        ("Tesla V100-SXM2-16GB", "fp32", True, 15.7),  # no TF32 on Volta: FP32 either way
+        ("Tesla T4", "fp16", True, 65.0),
+        ("NVIDIA GeForce RTX 4090", "fp16", True, 165.2),
+    ],
+)
 def test_peak_flops_match_the_exact_gpu_variant_and_math(name, precision, tf32, tflops):
     assert perf.peak_tflops_of(name, precision, tf32) == tflops
 
@@ -168,19 +184,24 @@ def model(seed=0):
 
 
 def config(run_dir, **training):
-    return dtrain.Config.from_dict({
-        "run": {"dir": str(run_dir)}, "data": {"batch_size": 8},
-        "optimizer": {"name": "adamw", "lr": 0.01},
-        "scheduler": {"name": "linear", "warmup_steps": 6},
-        "training": {"epochs": 2, "log_every": 4, "max_grad_norm": 1.0, **training},
-    })
+    return dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(run_dir)},
+            "data": {"batch_size": 8},
+            "optimizer": {"name": "adamw", "lr": 0.01},
+            "scheduler": {"name": "linear", "warmup_steps": 6},
+            "training": {"epochs": 2, "log_every": 4, "max_grad_norm": 1.0, **training},
+        }
+    )
 
 
 @pytest.fixture
 def fused(monkeypatch):
     """AdamW fused as on CUDA (torch 2.13 has the fused kernel on the CPU too)."""
+
     def use(on: bool):
         monkeypatch.setattr(dtrain.optim, "implementation_options", lambda name, device: {"fused": on})
+
     return use
 
 
@@ -191,16 +212,19 @@ def fused(monkeypatch):
 def fp16_on_cpu(monkeypatch):
     """fp16 autocast and a real GradScaler on the CPU, starting at a loss scale so large that the
     first steps overflow and are skipped, as they are on GPUs at the default 2^16."""
+
     def cpu_fp16(name, device, tf32=True):
-        return Precision("fp16", functools.partial(torch.autocast, device_type="cpu", dtype=torch.float16),
-                         torch.amp.GradScaler("cpu", init_scale=2.0 ** 30))
+        return Precision(
+            "fp16",
+            functools.partial(torch.autocast, device_type="cpu", dtype=torch.float16),
+            torch.amp.GradScaler("cpu", init_scale=2.0**30),
+        )
 
     monkeypatch.setattr(dtrain.trainer, "precision_for", cpu_fp16)
 
 
 @pytest.mark.parametrize("fused_adamw", [False, True], ids=["skipped on the host", "skipped in the kernel"])
-def test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true(fp16_on_cpu, fused, tmp_path,
-                                                                          fused_adamw):
+def test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true(fp16_on_cpu, fused, tmp_path, fused_adamw):
     fused(fused_adamw)
     trainer = dtrain.Trainer(config(tmp_path), model=model(), train_data=data())
     trainer.fit()
@@ -218,8 +242,9 @@ def test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true(fp16_o
 
 
 @pytest.mark.parametrize("fused_adamw", [False, True], ids=["skipped on the host", "skipped in the kernel"])
-def test_a_resume_between_log_steps_takes_skips_back_as_the_unbroken_run_does(fp16_on_cpu, fused, tmp_path,
-                                                                              fused_adamw):
+def test_a_resume_between_log_steps_takes_skips_back_as_the_unbroken_run_does(
+    fp16_on_cpu, fused, tmp_path, fused_adamw
+):
     fused(fused_adamw)
     whole = dtrain.Trainer(config(tmp_path / "whole"), model=model(), train_data=data())
     whole.fit()
@@ -264,8 +289,9 @@ def wrap_with(monkeypatch, tmp_path, error):
 
 
 def test_ddp_wrap_translates_only_a_model_mismatch(monkeypatch, tmp_path):
-    mismatch = RuntimeError("DDP expects same model across all ranks, but Rank 0 has 4 params, while "
-                            "rank 1 has inconsistent 6 params.")
+    mismatch = RuntimeError(
+        "DDP expects same model across all ranks, but Rank 0 has 4 params, while rank 1 has inconsistent 6 params."
+    )
     with pytest.raises(DtrainError, match="the model differs between ranks"):
         wrap_with(monkeypatch, tmp_path, mismatch)()
     transport = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error")
@@ -293,12 +319,21 @@ def test_out_of_memory_while_setting_up_gets_the_same_advice(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("strategy, offload, levers", [
-    ("ddp", False, ["distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)",
-                    "training.activation_checkpointing=full"]),
-    ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true"]),
-    ("fsdp", True, ["training.activation_checkpointing=full"]),
-])
+@pytest.mark.parametrize(
+    "strategy, offload, levers",
+    [
+        (
+            "ddp",
+            False,
+            [
+                "distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)",
+                "training.activation_checkpointing=full",
+            ],
+        ),
+        ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true"]),
+        ("fsdp", True, ["training.activation_checkpointing=full"]),
+    ],
+)
 def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, strategy, offload, levers):
     """On 2 GPUs with a model of blocks: sharding, activation checkpointing and offload, each only when off."""
     from types import SimpleNamespace
@@ -306,15 +341,26 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
     from dtrain.gpt import GPT
     from dtrain.trainer import Trainer
 
-    cfg = dtrain.Config.from_dict({"run": {"dir": str(tmp_path)}, "training": {"precision": "bf16"},
-                                   "distributed": {"strategy": strategy, "fsdp_cpu_offload": offload}})
-    gpus = SimpleNamespace(config=cfg, module=GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8),
-                           session=SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1)))
+    cfg = dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(tmp_path)},
+            "training": {"precision": "bf16"},
+            "distributed": {"strategy": strategy, "fsdp_cpu_offload": offload},
+        }
+    )
+    gpus = SimpleNamespace(
+        config=cfg,
+        module=GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8),
+        session=SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1)),
+    )
     message = str(Trainer._out_of_memory(gpus, "at step 3", torch.cuda.OutOfMemoryError("CUDA out of memory")))
     assert message.startswith("out of GPU memory at step 3 on rank 1 with data.batch_size=64 per process")
     offered = message.split("; try ", 1)[1].split(" or ")
-    assert offered == ["data.batch_size=32 training.grad_accum_steps=2 (the same effective batch)",
-                       "data.on_device=false", *levers]
+    assert offered == [
+        "data.batch_size=32 training.grad_accum_steps=2 (the same effective batch)",
+        "data.on_device=false",
+        *levers,
+    ]
 
 
 # --- 8: RNG states ---------------------------------------------------------------------------------
@@ -354,8 +400,12 @@ def test_monitor_debug_sets_the_distributed_debug_level(own_environ):
 
 
 def test_the_flight_recorder_is_on_and_the_users_own_setting_wins(own_environ, tmp_path):
-    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
-             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    names = (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    )
     for name in names:
         os.environ.pop(name, None)
     distributed.enable_flight_recorder(tmp_path / "diagnostics")

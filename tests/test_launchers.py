@@ -7,11 +7,18 @@ import sys
 
 import pytest
 
-from helpers import (ROOT, TIMEOUT, WORKERS, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines,
-                     weights)
+from helpers import ROOT, TIMEOUT, WORKERS, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines, weights
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=301", "data.input_shape=[10]",
-       "model.hidden_size=16", "training.epochs=1", "training.log_every=1", "data.batch_size=32"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=301",
+    "data.input_shape=[10]",
+    "model.hidden_size=16",
+    "training.epochs=1",
+    "training.log_every=1",
+    "data.batch_size=32",
+]
 
 
 def free_port() -> int:
@@ -35,51 +42,104 @@ def same_run(a, b):
 
 def by_hand(run_dir, per_rank_env, extra=()):
     """Start 2 workers ourselves with the variables a launcher (srun, mpirun, a user) would set."""
-    procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={run_dir}", *extra],
-                              cwd=ROOT, env=env(OMP_NUM_THREADS="1", **per_rank_env(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={run_dir}", *extra],
+            cwd=ROOT,
+            env=env(OMP_NUM_THREADS="1", **per_rank_env(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
 
 
 def test_plain_torchrun_module(reference, tmp_path):
-    ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "dtrain", "run", *JOB, f"run.dir={tmp_path}"], extra_env={"OMP_NUM_THREADS": "1"}))
+    ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "dtrain",
+                "run",
+                *JOB,
+                f"run.dir={tmp_path}",
+            ],
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
+    )
     same_run(reference, tmp_path)
 
 
 def test_srun_style_slurm_variables(reference, tmp_path):
     port = free_port()
-    by_hand(tmp_path, lambda rank: {
-        "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-        "SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
-        "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(port)})
+    by_hand(
+        tmp_path,
+        lambda rank: {
+            "SLURM_JOB_ID": "77",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NODELIST": "localhost",
+            "MASTER_PORT": str(port),
+        },
+    )
     same_run(reference, tmp_path)
 
 
 def test_mpirun_style_open_mpi_variables(reference, tmp_path):
     port = free_port()
-    by_hand(tmp_path, lambda rank: {
-        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": str(port)})
+    by_hand(
+        tmp_path,
+        lambda rank: {
+            "OMPI_COMM_WORLD_RANK": str(rank),
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_PORT": str(port),
+        },
+    )
     same_run(reference, tmp_path)
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_tcp_and_file_init_methods(reference, tmp_path, scheme):
-    url = (f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}")
-    by_hand(tmp_path / "run", lambda rank: {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                                            "LOCAL_WORLD_SIZE": "2"},
-            extra=[f"distributed.init_method={url}"])
+    url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}"
+    by_hand(
+        tmp_path / "run",
+        lambda rank: {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"},
+        extra=[f"distributed.init_method={url}"],
+    )
     same_run(reference, tmp_path / "run")
 
 
 def test_dtrain_launch_runs_the_guides_example_rewritten(tmp_path):
     fake_mnist(tmp_path / "mnist", n_train=256, n_test=64)
-    ok(dtrain("launch", "--nproc", "2", "examples/mnist_ddp.py", "--data", str(tmp_path / "mnist"),
-              "--epochs", "2", "--run-dir", str(tmp_path / "run")))
+    ok(
+        dtrain(
+            "launch",
+            "--nproc",
+            "2",
+            "examples/mnist_ddp.py",
+            "--data",
+            str(tmp_path / "mnist"),
+            "--epochs",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     lines = train_lines(tmp_path / "run")
     assert lines[-1]["step"] == 2 * 2  # 128 samples per rank, batch 64
     assert (tmp_path / "run" / "model.safetensors").is_file()
@@ -87,8 +147,19 @@ def test_dtrain_launch_runs_the_guides_example_rewritten(tmp_path):
 
 def test_mnist_config_on_idx_files(tmp_path):
     fake_mnist(tmp_path / "mnist", n_train=512, n_test=128, gz=False)
-    ok(dtrain("run", "examples/mnist_mlp.toml", "--nproc", "2", f"data.path={tmp_path / 'mnist'}",
-              "training.epochs=3", "optimizer.lr=0.1", "training.log_every=2", f"run.dir={tmp_path / 'run'}"))
+    ok(
+        dtrain(
+            "run",
+            "examples/mnist_mlp.toml",
+            "--nproc",
+            "2",
+            f"data.path={tmp_path / 'mnist'}",
+            "training.epochs=3",
+            "optimizer.lr=0.1",
+            "training.log_every=2",
+            f"run.dir={tmp_path / 'run'}",
+        )
+    )
     final = [m for m in train_lines(tmp_path / "run")]
     assert final[-1]["loss"] < final[0]["loss"]
 
@@ -102,19 +173,30 @@ def test_launch_flags_launch_even_where_rank_variables_are_set(reference, tmp_pa
     same_run(reference, tmp_path)
 
 
-@pytest.mark.parametrize("variables, message", [
-    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2 is impossible: a rank is 0..WORLD_SIZE-1"),
-    ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 is impossible"),
-    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
-     "LOCAL_RANK=3 with LOCAL_WORLD_SIZE=2 and WORLD_SIZE=2 is impossible"),
-    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-     "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible"),
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"},
-     "SLURM_PROCID=5 with SLURM_NTASKS=2 is impossible"),
-    ({"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
-     "environment variable WORLD_SIZE=99999999999999999999999 is beyond any job's numbers"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port (1-65535)"),
-])
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2 is impossible: a rank is 0..WORLD_SIZE-1"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 is impossible"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK=3 with LOCAL_WORLD_SIZE=2 and WORLD_SIZE=2 is impossible",
+        ),
+        (
+            {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+            "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible",
+        ),
+        (
+            {"SLURM_PROCID": "5", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"},
+            "SLURM_PROCID=5 with SLURM_NTASKS=2 is impossible",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
+            "environment variable WORLD_SIZE=99999999999999999999999 is beyond any job's numbers",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port (1-65535)"),
+    ],
+)
 def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, message):
     result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", extra_env=variables, timeout=60)
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
@@ -128,9 +210,14 @@ def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_lin
     """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store, says so once, and after
     distributed.timeout_s gives up in one line: no C++ warnings, nothing written."""
     port = free_port()
-    result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", "distributed.timeout_s=5",
-                    "distributed.hang_timeout_s=0",
-                    extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)})
+    result = dtrain(
+        "run",
+        *JOB,
+        f"run.dir={tmp_path / 'run'}",
+        "distributed.timeout_s=5",
+        "distributed.hang_timeout_s=0",
+        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)},
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 2, result.stderr
     assert lines[0] == f"dtrain: waiting for the rendezvous at {address}:{port} (rank 0 serves it) ..."
@@ -142,11 +229,23 @@ def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_lin
 def test_a_node_whose_peers_never_come_gives_up_in_one_line(tmp_path):
     """The first node of --nnodes 2 serves the rendezvous; nobody joins within --rdzv-timeout."""
     endpoint = f"127.0.0.1:{free_port()}"
-    result = dtrain("run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout",
-                    "3", f"run.dir={tmp_path / 'run'}")
+    result = dtrain(
+        "run",
+        *JOB,
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "3",
+        f"run.dir={tmp_path / 'run'}",
+    )
     assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
         f"dtrain: error: not enough nodes joined the rendezvous at {endpoint} within 3 s (--nnodes 2): start the "
-        f"job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout"], result.stderr
+        f"job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout"
+    ], result.stderr
 
 
 def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):
@@ -161,7 +260,8 @@ def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):
     refuse = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "refuse")
     assert refuse.returncode == 2, refuse.stderr
     assert [line for line in refuse.stderr.splitlines() if line.strip()] == [
-        "dtrain: error: data.path = 'nowhere' does not exist; give the folder of the shards"]
+        "dtrain: error: data.path = 'nowhere' does not exist; give the folder of the shards"
+    ]
 
 
 @pytest.mark.parametrize("code", [0, 3])

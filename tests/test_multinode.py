@@ -14,9 +14,17 @@ import torch
 
 from helpers import ROOT, TIMEOUT, env, ok, run, weights
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
-       "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=2",
-       "training.log_every=1"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=500",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "model.name=faults:dying_mlp",
+    "training.epochs=2",
+    "training.log_every=1",
+]
 SUBNET = "10.213.{}.{}"
 
 
@@ -56,11 +64,37 @@ def nodes():
 def run_on_both(nodes, run_dir, *extra, model="model.options={hidden_size = 32}", own_address=False):
     """The job on both namespaces; `own_address`: each node is told its address with --local-addr."""
     endpoint = f"{nodes[0][1]}:29{os.getpid() % 900 + 100}"
-    procs = [subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "dtrain", "run", *JOB, model,
-                               "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint,
-                               f"run.dir={run_dir}", *extra, *(["--local-addr", address] if own_address else [])],
-                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, address in nodes]
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                sys.executable,
+                "-m",
+                "dtrain",
+                "run",
+                *JOB,
+                model,
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--rdzv-endpoint",
+                endpoint,
+                f"run.dir={run_dir}",
+                *extra,
+                *(["--local-addr", address] if own_address else []),
+            ],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, address in nodes
+    ]
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -70,8 +104,23 @@ def run_on_both(nodes, run_dir, *extra, model="model.options={hidden_size = 32}"
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one_node")
-    ok(run(([sys.executable, "-m", "dtrain", "run", *JOB, "model.options={hidden_size = 32}", "--nproc", "2",
-             f"run.dir={run_dir}"])))
+    ok(
+        run(
+
+                [
+                    sys.executable,
+                    "-m",
+                    "dtrain",
+                    "run",
+                    *JOB,
+                    "model.options={hidden_size = 32}",
+                    "--nproc",
+                    "2",
+                    f"run.dir={run_dir}",
+                ]
+
+        )
+    )
     return run_dir
 
 
@@ -93,10 +142,17 @@ def test_local_addr_given_by_hand_works_the_same(nodes, one_node, tmp_path):
 
 
 def test_a_killed_worker_on_one_node_restarts_both_and_ends_the_same(nodes, one_node, tmp_path):
-    errs = run_on_both(nodes, tmp_path, "--max-restarts", "1", "checkpoint.every_steps=5",
-                       model="model.options={hidden_size = 32, die_at_forward = 14, die_rank = 1}")
-    assert any(re.search(r"^resumed from \S+/checkpoints/step-10 \(step 10 of 26, epoch 0\)$", err, re.M)
-               for err in errs), errs
+    errs = run_on_both(
+        nodes,
+        tmp_path,
+        "--max-restarts",
+        "1",
+        "checkpoint.every_steps=5",
+        model="model.options={hidden_size = 32, die_at_forward = 14, die_rank = 1}",
+    )
+    assert any(
+        re.search(r"^resumed from \S+/checkpoints/step-10 \(step 10 of 26, epoch 0\)$", err, re.M) for err in errs
+    ), errs
     assert same_weights(one_node, tmp_path)
 
 
@@ -105,45 +161,119 @@ def test_an_endpoint_nobody_serves_is_waited_for_then_given_up_in_one_line(nodes
     no C++ stack traces, no worker started."""
     endpoint = f"{nodes[0][1]}:29{os.getpid() % 900 + 100}"
     start = time.monotonic()
-    result = run(["ip", "netns", "exec", nodes[1][0], sys.executable, "-m", "dtrain", "run", *JOB,
-                  "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "3",
-                  f"run.dir={tmp_path}"])
+    result = run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            nodes[1][0],
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            "--nnodes",
+            "2",
+            "--nproc",
+            "1",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "3",
+            f"run.dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         f"dtrain: waiting for the rendezvous at {endpoint} (the first node serves it) ...",
         f"dtrain: error: nothing answered at {endpoint} for 3 s (Connection refused): start the job on the node "
-        f"at that address, or check the address, the port and the firewall (--rdzv-timeout sets the wait)"]
+        f"at that address, or check the address, the port and the firewall (--rdzv-timeout sets the wait)",
+    ]
     assert time.monotonic() - start < 30 and not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_an_endpoint_whose_name_does_not_resolve_yet_is_waited_for_too(tmp_path):
     """A Kubernetes service or a SLURM head node that is not up yet has no address: wait for it, as for
     an endpoint that does not answer, then give up in one line."""
-    result = run([sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
-                  "no-such-node.invalid:29500", "--rdzv-timeout", "2", f"run.dir={tmp_path}"])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            "--nnodes",
+            "2",
+            "--nproc",
+            "1",
+            "--rdzv-endpoint",
+            "no-such-node.invalid:29500",
+            "--rdzv-timeout",
+            "2",
+            f"run.dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0] == "dtrain: waiting for the rendezvous at no-such-node.invalid:29500 (the first node serves it) ..."
     assert len(lines) == 2 and lines[1].startswith(
-        "dtrain: error: nothing answered at no-such-node.invalid:29500 for 2 s (no-such-node.invalid does not resolve: ")
+        "dtrain: error: nothing answered at no-such-node.invalid:29500 for 2 s (no-such-node.invalid does not resolve: "
+    )
     for bad in ("0.5", "1e20"):
-        refused = run([sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--rdzv-endpoint", "h:1",
-                       "--rdzv-timeout", bad, f"run.dir={tmp_path}"])
+        refused = run(
+            [
+                sys.executable,
+                "-m",
+                "dtrain",
+                "run",
+                *JOB,
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-timeout",
+                bad,
+                f"run.dir={tmp_path}",
+            ]
+        )
         assert refused.returncode == 2 and refused.stderr.strip() == (
-            f"dtrain: error: --rdzv-timeout must be from 1 to 10,000,000 seconds; got {float(bad):g}"), refused.stderr
+            f"dtrain: error: --rdzv-timeout must be from 1 to 10,000,000 seconds; got {float(bad):g}"
+        ), refused.stderr
 
 
-GPT_JOB = ["examples/gpt_stdlib.toml", "data.block_size=16", "data.batch_size=4", "training.epochs=1",
-           "training.max_steps=400", "training.log_every=20", "checkpoint.every_steps=10",
-           "model.options={n_layer = 1, n_head = 2, n_embd = 16}", "scheduler.warmup_steps=2"]
+GPT_JOB = [
+    "examples/gpt_stdlib.toml",
+    "data.block_size=16",
+    "data.batch_size=4",
+    "training.epochs=1",
+    "training.max_steps=400",
+    "training.log_every=20",
+    "checkpoint.every_steps=10",
+    "model.options={n_layer = 1, n_head = 2, n_embd = 16}",
+    "scheduler.warmup_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     """Token shards of this package's own source (byte tokens: no tokenizer to train)."""
     out = tmp_path_factory.mktemp("tokens") / "bytes"
-    ok(run([sys.executable, "-m", "dtrain", "prepare", "text", str(ROOT / "src" / "dtrain"), "--out", str(out),
-            "--tokenizer", "bytes"]))
+    ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "dtrain",
+                "prepare",
+                "text",
+                str(ROOT / "src" / "dtrain"),
+                "--out",
+                str(out),
+                "--tokenizer",
+                "bytes",
+            ]
+        )
+    )
     return out
 
 
@@ -154,11 +284,37 @@ def test_a_node_lost_for_good_leaves_the_job_running_on_fewer(nodes, tokens, tmp
     batch (token data resumes on any number of processes), to the end."""
     run_dir = tmp_path / "run"
     endpoint = f"{nodes[0][1]}:29{os.getpid() % 900 + 100}"
-    procs = [subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "dtrain", "run", *GPT_JOB,
-                               f"data.path={tokens}", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", endpoint,
-                               "--max-restarts", "2", f"run.dir={run_dir}"],
-                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, _ in nodes]
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                sys.executable,
+                "-m",
+                "dtrain",
+                "run",
+                *GPT_JOB,
+                f"data.path={tokens}",
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--rdzv-endpoint",
+                endpoint,
+                "--max-restarts",
+                "2",
+                f"run.dir={run_dir}",
+            ],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, _ in nodes
+    ]
     deadline = time.monotonic() + TIMEOUT
     while not (run_dir / "checkpoints" / "step-10" / "COMPLETE.json").exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint came"
@@ -167,12 +323,20 @@ def test_a_node_lost_for_good_leaves_the_job_running_on_fewer(nodes, tokens, tmp
     _, err = procs[0].communicate(timeout=TIMEOUT)
     procs[1].communicate()
     assert procs[0].returncode == 0, err
-    assert re.search(r"^restart 1 of at most 2 \(torchrun\): a process of the group failed or a node left; the "
-                     r"group re-formed with 1 process\(es\)$", err, re.M), err
+    assert re.search(
+        r"^restart 1 of at most 2 \(torchrun\): a process of the group failed or a node left; the "
+        r"group re-formed with 1 process\(es\)$",
+        err,
+        re.M,
+    ), err
     resumed = re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 400, epoch 0\)$", err, re.M)
     assert resumed and int(resumed.group(1)) >= 10, err
-    assert re.search(rf"^step-{resumed.group(1)} was written by 2 processes and this run has 1: "
-                     r"training.grad_accum_steps 1 → 2 keeps its global batch of 8 samples$", err, re.M), err
+    assert re.search(
+        rf"^step-{resumed.group(1)} was written by 2 processes and this run has 1: "
+        r"training.grad_accum_steps 1 → 2 keeps its global batch of 8 samples$",
+        err,
+        re.M,
+    ), err
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if "loss" in r]
     assert steps == list(range(20, 401, 20))  # every window once, the interrupted ones again from the checkpoint

@@ -10,9 +10,17 @@ import pytest
 
 from helpers import dtrain, ok, train_lines
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=500", "data.input_shape=[12]",
-       "data.num_classes=3", "data.batch_size=16", "model.name=faults:dying_mlp", "training.epochs=3",
-       "training.log_every=5"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=500",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "model.name=faults:dying_mlp",
+    "training.epochs=3",
+    "training.log_every=5",
+]
 
 
 def refused(result, *fragments):
@@ -28,8 +36,17 @@ def refused(result, *fragments):
 def slow_rank_run(tmp_path_factory):
     """Rank 1 sleeps 20 ms in every forward pass; steps 3-4 are profiled."""
     run_dir = tmp_path_factory.mktemp("slow_rank")
-    result = ok(dtrain("run", *JOB, "model.options={hidden_size = 32, step_sleep_s = 0.02, slow_rank = 1}",
-                       "--nproc", "2", "profile.steps=3-4", f"run.dir={run_dir}"))
+    result = ok(
+        dtrain(
+            "run",
+            *JOB,
+            "model.options={hidden_size = 32, step_sleep_s = 0.02, slow_rank = 1}",
+            "--nproc",
+            "2",
+            "profile.steps=3-4",
+            f"run.dir={run_dir}",
+        )
+    )
     return run_dir, result
 
 
@@ -59,9 +76,16 @@ def test_a_hang_is_explained_and_ended_before_the_backend_timeout(tmp_path, comm
     """With dtrain's shared-memory average, and with torch's own hook in DDP's slot (as on GPUs,
     where dtrain leaves the slot free): either way the waiting rank is told from the stalled one."""
     start = time.monotonic()
-    result = dtrain("run", *JOB, "model.options={hidden_size = 32, stall_at_forward = 5, stall_rank = 1}",
-                    "--nproc", "2", "distributed.hang_timeout_s=3", f"distributed.comm_hook={comm_hook}",
-                    f"run.dir={tmp_path}")
+    result = dtrain(
+        "run",
+        *JOB,
+        "model.options={hidden_size = 32, stall_at_forward = 5, stall_rank = 1}",
+        "--nproc",
+        "2",
+        "distributed.hang_timeout_s=3",
+        f"distributed.comm_hook={comm_hook}",
+        f"run.dir={tmp_path}",
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 124, result.stderr
     assert elapsed < 60  # the backend's own timeout is 1800 s
@@ -85,36 +109,47 @@ def test_a_hang_is_explained_and_ended_before_the_backend_timeout(tmp_path, comm
 
 
 def test_a_parameter_the_forward_pass_skips_gets_a_clear_message(tmp_path):
-    refused(dtrain("run", *JOB, "model.name=faults:with_unused", "monitor.debug=true", "--nproc", "2",
-                   f"run.dir={tmp_path}"),
-            "the forward pass did not use these parameters: extra.weight, extra.bias",
-            "set distributed.find_unused_parameters=true")
+    refused(
+        dtrain(
+            "run", *JOB, "model.name=faults:with_unused", "monitor.debug=true", "--nproc", "2", f"run.dir={tmp_path}"
+        ),
+        "the forward pass did not use these parameters: extra.weight, extra.bias",
+        "set distributed.find_unused_parameters=true",
+    )
 
 
 def test_a_model_that_differs_between_ranks_gets_a_clear_message(tmp_path):
-    refused(dtrain("run", *JOB, "model.name=faults:shape_by_rank", "--nproc", "2", f"run.dir={tmp_path}"),
-            "the model differs between ranks", "build the same model on every rank")
+    refused(
+        dtrain("run", *JOB, "model.name=faults:shape_by_rank", "--nproc", "2", f"run.dir={tmp_path}"),
+        "the model differs between ranks",
+        "build the same model on every rank",
+    )
 
 
 def test_out_of_memory_names_the_step_the_batch_and_the_levers(tmp_path):
-    refused(dtrain("run", *JOB, "model.options={oom_at_forward = 3}", "--nproc", "1", f"run.dir={tmp_path}"),
-            "out of GPU memory at step 3 on rank 0 with data.batch_size=16 per process",
-            "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or "
-            "training.precision=bf16")
+    refused(
+        dtrain("run", *JOB, "model.options={oom_at_forward = 3}", "--nproc", "1", f"run.dir={tmp_path}"),
+        "out of GPU memory at step 3 on rank 0 with data.batch_size=16 per process",
+        "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or training.precision=bf16",
+    )
 
 
 def test_a_cpu_out_of_memory_gets_the_same_advice(tmp_path):
     """A real allocation the CPU cannot serve (100 000 GiB in the third forward pass)."""
-    refused(dtrain("run", *JOB, "model.options={oom_at_forward = 3, oom_gib = 100000}", "--nproc", "1",
-                   f"run.dir={tmp_path}"),
-            "out of memory at step 3 on rank 0 with data.batch_size=16 per process",
-            "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or "
-            "training.precision=bf16")
+    refused(
+        dtrain(
+            "run", *JOB, "model.options={oom_at_forward = 3, oom_gib = 100000}", "--nproc", "1", f"run.dir={tmp_path}"
+        ),
+        "out of memory at step 3 on rank 0 with data.batch_size=16 per process",
+        "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or training.precision=bf16",
+    )
 
 
 def test_a_model_without_parameters_is_refused(tmp_path):
-    refused(dtrain("run", *JOB, "model.name=torch.nn:Flatten", "--nproc", "1", f"run.dir={tmp_path / 'run'}"),
-            "the model (Flatten) has no trainable parameters: there is nothing to train")
+    refused(
+        dtrain("run", *JOB, "model.name=torch.nn:Flatten", "--nproc", "1", f"run.dir={tmp_path / 'run'}"),
+        "the model (Flatten) has no trainable parameters: there is nothing to train",
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -133,10 +168,16 @@ def test_doctor_reports_the_environment_and_what_looks_wrong():
     assert "RANK=3  — this process's global rank" in broken.stdout
     malformed = dtrain("doctor", extra_env={"RANK": "x", "WORLD_SIZE": "2"})
     assert malformed.returncode == 1 and "environment variable RANK='x' is not an integer" in malformed.stdout
-    for variables, problem in (({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-                                "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible"),
-                               ({"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
-                                "WORLD_SIZE=99999999999999999999999 is beyond any job's numbers")):
+    for variables, problem in (
+        (
+            {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+            "OMPI_COMM_WORLD_RANK=3 with OMPI_COMM_WORLD_SIZE=2 is impossible",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "99999999999999999999999"},
+            "WORLD_SIZE=99999999999999999999999 is beyond any job's numbers",
+        ),
+    ):
         found = dtrain("doctor", extra_env=variables)
         assert found.returncode == 1 and problem in found.stdout, found.stdout
 
@@ -144,8 +185,11 @@ def test_doctor_reports_the_environment_and_what_looks_wrong():
 def test_doctor_measures_a_real_all_reduce_across_the_group():
     # 3 processes: bus bandwidth is 4/3 of the algorithm's (at 2 it would equal it, proving nothing).
     result = ok(dtrain("doctor", "--nproc", "3", "--iters", "1"))
-    rows = [line.split() for line in result.stdout.splitlines()
-            if line.strip() and line.strip()[0].isdigit() and ("KiB" in line or "MiB" in line)]
+    rows = [
+        line.split()
+        for line in result.stdout.splitlines()
+        if line.strip() and line.strip()[0].isdigit() and ("KiB" in line or "MiB" in line)
+    ]
     sizes = [f"{r[0]} {r[1]}" for r in rows]
     assert sizes == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB", "256 MiB"]
     for row in rows:
@@ -211,8 +255,17 @@ def test_report_of_a_run_resumed_under_another_strategy_shares_each_phase_over_i
     from dtrain.report import summary
 
     def window(step, comm):
-        record = {"step": step, "epoch": 0, "loss": 1.0, "samples_per_s": 100.0, "step_ms": 10.0, "data_ms": 1.0,
-                  "compute_ms": 7.0 - comm, "optimizer_ms": 2.0, "rank_busy_ms": [8.0, 8.0]}
+        record = {
+            "step": step,
+            "epoch": 0,
+            "loss": 1.0,
+            "samples_per_s": 100.0,
+            "step_ms": 10.0,
+            "data_ms": 1.0,
+            "compute_ms": 7.0 - comm,
+            "optimizer_ms": 2.0,
+            "rank_busy_ms": [8.0, 8.0],
+        }
         return {**record, "comm_ms": comm} if comm else record
 
     text = summary([window(5, 3.0), window(10, 2.0), window(15, 2.0), window(20, 0), window(25, 0)])
@@ -229,9 +282,14 @@ def test_report_from_the_command_line(slow_rank_run):
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
 
 
-@pytest.mark.parametrize("kind, problem", [("file", "is not a folder (a file of yours?)"),
-                                           ("link", "is not a folder (a link of yours?)"),
-                                           ("link inside", "holds links: summary.txt (a folder of yours?)")])
+@pytest.mark.parametrize(
+    "kind, problem",
+    [
+        ("file", "is not a folder (a file of yours?)"),
+        ("link", "is not a folder (a link of yours?)"),
+        ("link inside", "holds links: summary.txt (a folder of yours?)"),
+    ],
+)
 def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_path, kind, problem):
     """Nothing is written through a link: not report/ itself, not a file in it."""
     run_dir = tmp_path / "run"
@@ -250,6 +308,7 @@ def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_
     result = dtrain("report", str(run_dir))
     assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
         f"dtrain: error: {run_dir / 'report'} is where dtrain writes its report, and it {problem}; move it and "
-        f"run dtrain report again"], result.stderr
+        f"run dtrain report again"
+    ], result.stderr
     assert [p.name for p in elsewhere.iterdir()] == ["victim.txt"] and (elsewhere / "victim.txt").read_text() == "mine"
     assert kind != "file" or (run_dir / "report").read_text() == "my notes"

@@ -9,9 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -19,7 +19,8 @@ import dtrain
 from dtrain.checkpoint.store import CheckpointError
 from dtrain.checkpoint.tensors import SafeReader
 from dtrain.config import all_keys
-from helpers import ROOT, TIMEOUT, dtrain as dtrain_cli, env, eval_lines, metrics, ok, train_lines
+from helpers import ROOT, TIMEOUT, env, eval_lines, ok, train_lines
+from helpers import dtrain as dtrain_cli
 
 IN, HIDDEN, OUT = 12, 32, 3
 
@@ -36,8 +37,12 @@ def model():
 
 
 def config(run_dir, **sections):
-    raw = {"run": {"dir": str(run_dir)}, "data": {"batch_size": 16},
-           "optimizer": {"name": "sgd", "lr": 0.1}, "training": {"epochs": 2, "log_every": 5}}
+    raw = {
+        "run": {"dir": str(run_dir)},
+        "data": {"batch_size": 16},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"epochs": 2, "log_every": 5},
+    }
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
     return dtrain.Config.from_dict(raw)
@@ -62,15 +67,20 @@ def test_the_checkpoint_reader_refuses_a_pickle_that_would_run_code(tmp_path):
     assert SafeReader(state).read_metadata().state_dict_metadata  # the real metadata reads fine
     marker = tmp_path / "pwned"
     (state / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(CheckpointError, match=r"is not DCP metadata dtrain can trust \(unexpected object "
-                                              r"(posix|os)\.system\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"is not DCP metadata dtrain can trust \(unexpected object "
+        r"(posix|os)\.system\)",
+    ):
         SafeReader(state).read_metadata()
     assert not marker.exists()  # nothing ran
     # Harmless objects that are not DCP's metadata are refused as plainly, not met later by a traceback.
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    for thing, named in (({"state_dict_metadata": {}}, "a dict, not DCP's Metadata"),
-                         (MetadataIndex("model.weight"), "a MetadataIndex, not DCP's Metadata")):
+    for thing, named in (
+        ({"state_dict_metadata": {}}, "a dict, not DCP's Metadata"),
+        (MetadataIndex("model.weight"), "a MetadataIndex, not DCP's Metadata"),
+    ):
         (state / ".metadata").write_bytes(pickle.dumps(thing))
         with pytest.raises(CheckpointError, match=re.escape(f"is not DCP metadata dtrain can trust ({named})")):
             SafeReader(state).read_metadata()
@@ -94,8 +104,11 @@ def test_a_parameter_without_optimizer_state_resumes_bitwise(tmp_path):
     adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     dtrain.Trainer(config(whole, **adamw), model=WithASpareLayer(), train_data=data()).fit()
-    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
-                   model=WithASpareLayer(), train_data=data()).fit()
+    dtrain.Trainer(
+        config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+        model=WithASpareLayer(),
+        train_data=data(),
+    ).fit()
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(run_dir / "checkpoints" / "step-7" / "state").read_metadata().state_dict_metadata
@@ -124,8 +137,9 @@ def reseal(folder):
 def stopped(tmp_path_factory):
     """A run of 20 steps stopped at step 7 (training.stop_at_step): its checkpoint, to copy and spoil."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
-    dtrain.Trainer(config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}), model=model(),
-                   train_data=data()).fit()
+    dtrain.Trainer(
+        config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}), model=model(), train_data=data()
+    ).fit()
     return run_dir
 
 
@@ -137,22 +151,38 @@ def _edit_trainer_json(folder, change):
     (folder / "trainer.json").write_text(json.dumps(trainer))
 
 
-@pytest.mark.parametrize("spoil, message", [
-    (lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr="fast")),
-     r"trainer.json is not what dtrain writes: optimizer setting lr is 'fast', not a finite number >= 0"),
-    (lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr=-1.0)),
-     r"trainer.json is not what dtrain writes: optimizer setting lr is -1.0, not a finite number >= 0"),
-    (lambda f: _edit_trainer_json(f, lambda t: t["scheduler"].update(last_epoch="x")),
-     r"trainer.json is not what dtrain writes: scheduler last_epoch is 'x', not a whole number"),
-    (lambda f: _edit_trainer_json(f, lambda t: t.update(step=19)),
-     r"trainer.json says step 19 and its folder is step-7: it was edited or copied from another checkpoint"),
-    (lambda f: [p.write_bytes(p.read_bytes()[:100]) for p in (f / "state").glob("*.distcp")],
-     r"checkpoint step-7's tensors in \S+/state cannot be read into this run \(.+\): damaged, or written for "
-     r"another optimizer; delete \S+/step-7 to resume from an earlier checkpoint"),
-    (lambda f: (f / "state" / ".metadata").write_bytes((f / "state" / ".metadata").read_bytes().replace(
-        b"__0_0.distcp", b"../_0.distcp")),  # the same length: the pickle stays whole
-     r"is not DCP metadata dtrain can trust \(it points at '../_0.distcp', outside \S+/state\)"),
-])
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (
+            lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr="fast")),
+            r"trainer.json is not what dtrain writes: optimizer setting lr is 'fast', not a finite number >= 0",
+        ),
+        (
+            lambda f: _edit_trainer_json(f, lambda t: t["optimizer"]["param_groups"][0].update(lr=-1.0)),
+            r"trainer.json is not what dtrain writes: optimizer setting lr is -1.0, not a finite number >= 0",
+        ),
+        (
+            lambda f: _edit_trainer_json(f, lambda t: t["scheduler"].update(last_epoch="x")),
+            r"trainer.json is not what dtrain writes: scheduler last_epoch is 'x', not a whole number",
+        ),
+        (
+            lambda f: _edit_trainer_json(f, lambda t: t.update(step=19)),
+            r"trainer.json says step 19 and its folder is step-7: it was edited or copied from another checkpoint",
+        ),
+        (
+            lambda f: [p.write_bytes(p.read_bytes()[:100]) for p in (f / "state").glob("*.distcp")],
+            r"checkpoint step-7's tensors in \S+/state cannot be read into this run \(.+\): damaged, or written for "
+            r"another optimizer; delete \S+/step-7 to resume from an earlier checkpoint",
+        ),
+        (
+            lambda f: (f / "state" / ".metadata").write_bytes(
+                (f / "state" / ".metadata").read_bytes().replace(b"__0_0.distcp", b"../_0.distcp")
+            ),  # the same length: the pickle stays whole
+            r"is not DCP metadata dtrain can trust \(it points at '../_0.distcp', outside \S+/state\)",
+        ),
+    ],
+)
 def test_a_resealed_checkpoint_with_spoiled_contents_is_refused_in_one_line(stopped, tmp_path, spoil, message):
     """Past the seal's checksums (resealed), what is read is judged itself: one line naming the file and
     the way out, never a traceback, a file outside the checkpoint, or a resume that trains on in silence."""
@@ -174,16 +204,24 @@ def test_a_resume_with_another_batch_size_keeps_the_global_batch(stopped, tmp_pa
     dtrain.Trainer(config(whole, training={"epochs": 2, "log_every": 5}), model=model(), train_data=data()).fit()
     run_dir = tmp_path / "run"
     shutil.copytree(stopped, run_dir)
-    with pytest.raises(dtrain.DtrainError, match=r"checkpoint step-7 trained on global batches of 16 samples \(1 process × "
-                       r"16\); 1 process with data.batch_size=5 cannot make that up in whole accumulation steps: set "
-                       r"data.batch_size to a divisor of 16, such as 2, 4, 8, 16$"):
+    with pytest.raises(
+        dtrain.DtrainError,
+        match=r"checkpoint step-7 trained on global batches of 16 samples \(1 process × "
+        r"16\); 1 process with data.batch_size=5 cannot make that up in whole accumulation steps: set "
+        r"data.batch_size to a divisor of 16, such as 2, 4, 8, 16$",
+    ):
         dtrain.Trainer(config(run_dir, data={"batch_size": 5}), model=model(), train_data=data()).fit()
     capfd.readouterr()
-    trainer = dtrain.Trainer(config(run_dir, data={"batch_size": 8}, training={"epochs": 2, "log_every": 5}),
-                             model=model(), train_data=data())
+    trainer = dtrain.Trainer(
+        config(run_dir, data={"batch_size": 8}, training={"epochs": 2, "log_every": 5}),
+        model=model(),
+        train_data=data(),
+    )
     trainer.fit()
-    assert ("step-7 took global batches of 16 samples: with data.batch_size=8 on 1 process, "
-            "training.grad_accum_steps 2 (not the config's 1) keeps them") in capfd.readouterr().err
+    assert (
+        "step-7 took global batches of 16 samples: with data.batch_size=8 on 1 process, "
+        "training.grad_accum_steps 2 (not the config's 1) keeps them"
+    ) in capfd.readouterr().err
     assert trainer.step == 20 and trainer.config.training.grad_accum_steps == 2
     from safetensors.torch import load_file
 
@@ -196,16 +234,22 @@ def test_a_checkpoint_holding_part_of_a_parameters_optimizer_state_is_refused(tm
     with zeros in their place (a parameter with no state at all is one that never had a gradient)."""
     adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
     run_dir = tmp_path / "run"
-    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
-                   model=model(), train_data=data()).fit()
+    dtrain.Trainer(
+        config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+        model=model(),
+        train_data=data(),
+    ).fit()
     folder = run_dir / "checkpoints" / "step-7"
     path = folder / "state" / ".metadata"
     metadata = pickle.loads(path.read_bytes())  # dtrain's own file, in a test: trusted
     del metadata.state_dict_metadata["optimizer.state.0.weight.exp_avg_sq"]
     path.write_bytes(pickle.dumps(metadata))
     reseal(folder)
-    with pytest.raises(CheckpointError, match=r"^checkpoint step-7 holds part of the optimizer state of '0.weight' "
-                                              r"\(no 'exp_avg_sq'\): damaged, or written for another optimizer"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint step-7 holds part of the optimizer state of '0.weight' "
+        r"\(no 'exp_avg_sq'\): damaged, or written for another optimizer",
+    ):
         dtrain.Trainer(config(run_dir, **adamw), model=model(), train_data=data()).fit()
 
 
@@ -217,18 +261,24 @@ def test_stop_at_step_already_reached_trains_nothing_and_one_beyond_the_end_chec
     shutil.copytree(stopped, run_dir)
     capfd.readouterr()
     for stop_at in (7, 5):
-        trainer = dtrain.Trainer(config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": stop_at}),
-                                 model=model(), train_data=data())
+        trainer = dtrain.Trainer(
+            config(run_dir, training={"epochs": 2, "log_every": 5, "stop_at_step": stop_at}),
+            model=model(),
+            train_data=data(),
+        )
         trainer.fit()
         assert trainer.step == 7
-        assert (f"training.stop_at_step={stop_at} and the run is at step 7 already: nothing trained; rerun without "
-                f"it (or with a later step) to continue") in capfd.readouterr().err
+        assert (
+            f"training.stop_at_step={stop_at} and the run is at step 7 already: nothing trained; rerun without "
+            f"it (or with a later step) to continue"
+        ) in capfd.readouterr().err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-7"]
     assert not (run_dir / "model.safetensors").exists()
 
     beyond = tmp_path / "beyond"
-    dtrain.Trainer(config(beyond, training={"epochs": 2, "log_every": 5, "stop_at_step": 100}), model=model(),
-                   train_data=data()).fit()
+    dtrain.Trainer(
+        config(beyond, training={"epochs": 2, "log_every": 5, "stop_at_step": 100}), model=model(), train_data=data()
+    ).fit()
     assert sorted(p.name for p in (beyond / "checkpoints").iterdir()) == ["step-20"]
     capfd.readouterr()
     again = dtrain.Trainer(config(beyond), model=model(), train_data=data())
@@ -250,8 +300,11 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path)
     whole = tmp_path / "whole"
     dtrain.Trainer(config(whole, **adamw), model=model(), train_data=data()).fit()
     run_dir = tmp_path / "run"
-    dtrain.Trainer(config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
-                   model=model(), train_data=data()).fit()
+    dtrain.Trainer(
+        config(run_dir, **adamw, training={"epochs": 2, "log_every": 5, "stop_at_step": 7}),
+        model=model(),
+        train_data=data(),
+    ).fit()
     folder = run_dir / "checkpoints" / "step-7"
     items = FileSystemReader(folder / "state").read_metadata().state_dict_metadata
     state = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()}
@@ -261,9 +314,9 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path)
     old = {}
     for key, tensor in state.items():
         if key.startswith("model."):
-            old["model/" + key[len("model."):]] = tensor
+            old["model/" + key[len("model.") :]] = tensor
         else:
-            fqn, name = key[len("optimizer.state."):].rsplit(".", 1)
+            fqn, name = key[len("optimizer.state.") :].rsplit(".", 1)
             old[f"optimizer/{fqn}/{name}"] = tensor
     shutil.rmtree(folder / "state")
     dcp_save(old, storage_writer=FileSystemWriter(folder / "state"), no_dist=True)
@@ -287,9 +340,13 @@ def test_the_training_step_never_reads_a_value_back_to_the_host(tmp_path, monkey
     nothing — which is why a resume must leave it there."""
     inside = {"step": False}
     reads = []
-    trainer = dtrain.Trainer(config(tmp_path, training={"max_grad_norm": 1.0, "grad_accum_steps": 2},
-                                    optimizer={"name": "adamw", "lr": 1e-3}),
-                             model=model(), train_data=data())
+    trainer = dtrain.Trainer(
+        config(
+            tmp_path, training={"max_grad_norm": 1.0, "grad_accum_steps": 2}, optimizer={"name": "adamw", "lr": 1e-3}
+        ),
+        model=model(),
+        train_data=data(),
+    )
 
     def host_counter(tensor):
         setup = getattr(trainer, "optimizer", None)
@@ -335,9 +392,17 @@ def test_mfu_is_reported_against_the_peak_the_user_gives(tmp_path):
 # --- the progress bar on a terminal, plain lines elsewhere -----------------------------------------
 
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=300", "data.input_shape=[12]",
-       "data.num_classes=3", "data.batch_size=16", "training.epochs=2", "training.log_every=5",
-       "model.hidden_size=16"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=300",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "training.epochs=2",
+    "training.log_every=5",
+    "model.hidden_size=16",
+]
 
 
 def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_lines(tmp_path):
@@ -350,9 +415,14 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_lines(tmp_path):
     assert "\r" not in piped.stderr and re.search(r"^step 5 \| epoch 0 \| loss ", piped.stderr, re.M)
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'tty'}"],
-                            cwd=ROOT, env=env(), stdin=secondary, stdout=secondary,
-                            stderr=secondary)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'tty'}"],
+        cwd=ROOT,
+        env=env(),
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+    )
     os.close(secondary)
     screen = b""
     while True:
@@ -385,21 +455,27 @@ class MapStyle(Dataset):
 
 def test_dataloader_workers_persist_and_take_the_same_steps(tmp_path):
     workers = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 3}
-    with_workers = dtrain.Trainer(config(tmp_path / "workers", data=workers), model=model(),
-                                  train_data=MapStyle(data()))
+    with_workers = dtrain.Trainer(
+        config(tmp_path / "workers", data=workers), model=model(), train_data=MapStyle(data())
+    )
     with_workers.fit()
     in_memory = dtrain.Trainer(config(tmp_path / "tensors"), model=model(), train_data=data())
     in_memory.fit()
-    assert [m["loss"] for m in train_lines(tmp_path / "workers")] == \
-        [m["loss"] for m in train_lines(tmp_path / "tensors")]
-    (loader, _), = with_workers.train_batches._source._loaders.values()
+    assert [m["loss"] for m in train_lines(tmp_path / "workers")] == [
+        m["loss"] for m in train_lines(tmp_path / "tensors")
+    ]
+    ((loader, _),) = with_workers.train_batches._source._loaders.values()
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
     assert loader.pin_memory is False  # pinning helps copies to a GPU only; this run has none
 
 
 def test_eval_every_evaluates_those_epochs_and_the_last(tmp_path):
-    dtrain.Trainer(config(tmp_path, training={"epochs": 5, "eval_every": 2}), model=model(), train_data=data(),
-                   eval_data=data(40, 1)).fit()
+    dtrain.Trainer(
+        config(tmp_path, training={"epochs": 5, "eval_every": 2}),
+        model=model(),
+        train_data=data(),
+        eval_data=data(40, 1),
+    ).fit()
     assert [m["epoch"] for m in eval_lines(tmp_path)] == [2, 4, 5]
 
 
@@ -407,10 +483,26 @@ def test_eval_every_evaluates_those_epochs_and_the_last(tmp_path):
 
 
 def test_ctrl_c_ends_the_job_with_status_130(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain", "run", *JOB, "training.epochs=50",
-                             "model.name=faults:dying_mlp", "model.options={step_sleep_s = 0.05}", "--nproc", "2",
-                             f"run.dir={tmp_path}"], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            "training.epochs=50",
+            "model.name=faults:dying_mlp",
+            "model.options={step_sleep_s = 0.05}",
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = TIMEOUT
     while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text():
         assert proc.poll() is None and deadline > 0, proc.communicate()
@@ -440,9 +532,13 @@ def test_doctor_warns_about_too_many_threads_and_measures_the_peak_for_mfu():
     result = dtrain_cli("doctor", extra_env={"OMP_NUM_THREADS": "512"})
     assert result.returncode == 1
     assert re.search(r"OMP_NUM_THREADS=512 exceeds the \d+ core\(s\) this process may use", result.stdout)
-    measured = re.search(r"^matmul \(cpu, \d+ thread\(s\) per process for 1 process\(es\)\): fp32 ([\d.e+-]+) "
-                         r"TFLOP/s, bf16 ([\d.e+-]+) TFLOP/s per process; for an MFU on this CPU pass "
-                         r"monitor.peak_tflops=([\d.e+-]+)", result.stdout, re.M)
+    measured = re.search(
+        r"^matmul \(cpu, \d+ thread\(s\) per process for 1 process\(es\)\): fp32 ([\d.e+-]+) "
+        r"TFLOP/s, bf16 ([\d.e+-]+) TFLOP/s per process; for an MFU on this CPU pass "
+        r"monitor.peak_tflops=([\d.e+-]+)",
+        result.stdout,
+        re.M,
+    )
     assert measured and float(measured.group(1)) > 0 and float(measured.group(2)) > 0
     assert measured.group(3) == measured.group(1)
 
@@ -451,8 +547,9 @@ def test_doctor_warns_about_a_small_dev_shm():
     """/dev/shm replaced by a 64 MiB tmpfs, in a mount namespace of the doctor's own."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare (util-linux) for a private mount namespace")
-    command = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m dtrain doctor")
-    result = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=env(), capture_output=True,
-                            text=True, timeout=TIMEOUT)
+    command = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m dtrain doctor"
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert result.returncode == 1, result.stderr
     assert "/dev/shm has only 64 MiB free" in result.stdout and "--shm-size=8g" in result.stdout

@@ -9,7 +9,8 @@ from torch.utils.data import TensorDataset
 import dtrain
 from dtrain.config import OptimizerConfig, SchedulerConfig
 from dtrain.optim import LRShape, build_optimizer, build_scheduler
-from helpers import WORKERS, dtrain as dtrain_cli, ok
+from helpers import WORKERS, ok
+from helpers import dtrain as dtrain_cli
 
 
 def lrs(name, warmup, total, floor=0.0):
@@ -57,11 +58,14 @@ def test_clipping_bounds_the_update_and_logs_the_norm(tmp_path):
     x, y = torch.randn(32, 5) * 100, torch.randint(0, 3, (32,))
     model = torch.nn.Linear(5, 3)
     before = [p.detach().clone() for p in model.parameters()]
-    config = dtrain.Config.from_dict({
-        "run": {"dir": str(tmp_path)}, "data": {"batch_size": 32},
-        "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0},
-        "training": {"epochs": 1, "max_grad_norm": 0.01, "log_every": 1},
-    })
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(tmp_path)},
+            "data": {"batch_size": 32},
+            "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0},
+            "training": {"epochs": 1, "max_grad_norm": 0.01, "log_every": 1},
+        }
+    )
     last = dtrain.Trainer(config, model=model, train_data=TensorDataset(x, y)).fit()
     moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
     assert moved.item() == pytest.approx(0.01, rel=1e-4)

@@ -8,8 +8,16 @@ import pytest
 
 from helpers import dtrain, mount_tmpfs, ok, train_lines, unmount
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=200", "data.input_shape=[12]",
-       "data.batch_size=32", "training.epochs=1", "training.log_every=1", "model.hidden_size=16"]  # 5 steps, 1 process
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=200",
+    "data.input_shape=[12]",
+    "data.batch_size=32",
+    "training.epochs=1",
+    "training.log_every=1",
+    "model.hidden_size=16",
+]  # 5 steps, 1 process
 
 
 def refused(result, message):
@@ -31,9 +39,11 @@ def test_a_run_dir_holding_other_files_is_refused_unless_allowed(tmp_path):
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("my notes")
     (run_dir / "data").mkdir()
-    refused(dtrain("run", *JOB, f"run.dir={run_dir}"),
-            f"run.dir {run_dir} holds files dtrain did not write (data, notes.txt); choose an empty or new "
-            f"run.dir, or set run.allow_other_files=true to write beside them")
+    refused(
+        dtrain("run", *JOB, f"run.dir={run_dir}"),
+        f"run.dir {run_dir} holds files dtrain did not write (data, notes.txt); choose an empty or new "
+        f"run.dir, or set run.allow_other_files=true to write beside them",
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == ["data", "notes.txt"]
     ok(dtrain("run", *JOB, f"run.dir={run_dir}", "run.allow_other_files=true"))
     assert (run_dir / "notes.txt").read_text() == "my notes" and (run_dir / "model.safetensors").is_file()
@@ -44,13 +54,17 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
     file. Refused, untouched; with run.overwrite=true the earlier outputs go first."""
     ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))
     before = snapshot(tmp_path)
-    refused(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01"),
-            f"run.dir {tmp_path} holds an earlier run's outputs (metrics.jsonl, model.safetensors, tensorboard) and "
-            f"no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true to replace them")
+    refused(
+        dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01"),
+        f"run.dir {tmp_path} holds an earlier run's outputs (metrics.jsonl, model.safetensors, tensorboard) and "
+        f"no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true to replace them",
+    )
     assert snapshot(tmp_path) == before
     result = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
-    assert "replaced the outputs of the earlier run (run.overwrite): metrics.jsonl, model.safetensors, tensorboard" \
+    assert (
+        "replaced the outputs of the earlier run (run.overwrite): metrics.jsonl, model.safetensors, tensorboard"
         in result.stderr
+    )
     assert len(event_files(tmp_path)) == 1  # one run in TensorBoard, not two
     assert [m["step"] for m in train_lines(tmp_path)] == [1, 2, 3, 4, 5]
     assert all(m["lr"] <= 0.01 for m in train_lines(tmp_path))  # the new run's, only
@@ -65,17 +79,29 @@ def test_overwrite_starts_afresh_even_over_checkpoints(tmp_path):
     assert "resumed" not in again.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 11))
     assert not (tmp_path / "checkpoints").exists() and len(event_files(tmp_path)) == 1
-    refused(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "--resume"),
-            "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues from a "
-            "checkpoint: choose one")
+    refused(
+        dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "--resume"),
+        "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues from a checkpoint: choose one",
+    )
 
 
 def test_a_restarted_group_replaces_its_first_attempts_outputs(tmp_path):
     """torchrun restarts the workers after a crash with no checkpoint yet: the same run again, whose
     outputs replace those of the attempt that died (no refusal, no second TensorBoard run)."""
-    result = ok(dtrain("run", *JOB, "model.name=faults:dying_mlp",
-                       "model.options={hidden_size = 16, die_at_forward = 4, die_rank = 1}", "--nproc", "2",
-                       "--max-restarts", "1", "training.epochs=2", f"run.dir={tmp_path}"))
+    result = ok(
+        dtrain(
+            "run",
+            *JOB,
+            "model.name=faults:dying_mlp",
+            "model.options={hidden_size = 16, die_at_forward = 4, die_rank = 1}",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            "training.epochs=2",
+            f"run.dir={tmp_path}",
+        )
+    )
     assert "resumed" not in result.stderr
     assert "replaced the outputs of an earlier attempt of this run: metrics.jsonl, tensorboard" in result.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))  # 80 samples a rank: 3 steps an epoch
@@ -90,22 +116,34 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path
         pytest.fail("mount -t tmpfs -o ro failed as root")
     try:
         result = dtrain("run", *JOB, f"run.dir={mount / 'run'}")
-        refused(result, f"run.dir {mount / 'run'} cannot be written ({mount} is not a writable folder); choose "
-                        f"another run.dir")
+        refused(
+            result,
+            f"run.dir {mount / 'run'} cannot be written ({mount} is not a writable folder); choose another run.dir",
+        )
         assert not re.search(r"rank \d", result.stderr)  # the launcher, before any worker
     finally:
         unmount(mount)
 
 
-@pytest.mark.parametrize("stranger, message", [
-    ("checkpoints/bert.pt", "checkpoints is where dtrain writes its checkpoints, and it holds bert.pt"),
-    ("tensorboard", "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a file of yours?)"),
-    ("metrics.jsonl/data.txt", "metrics.jsonl is where dtrain writes its metrics.jsonl, and it is not a file"),
-    ("model.safetensors", "model.safetensors is where dtrain writes its model.safetensors, and it is weights dtrain "
-                          "did not write"),
-    ("link:tensorboard", "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a link of "
-                         "yours?)"),
-])
+@pytest.mark.parametrize(
+    "stranger, message",
+    [
+        ("checkpoints/bert.pt", "checkpoints is where dtrain writes its checkpoints, and it holds bert.pt"),
+        (
+            "tensorboard",
+            "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a file of yours?)",
+        ),
+        ("metrics.jsonl/data.txt", "metrics.jsonl is where dtrain writes its metrics.jsonl, and it is not a file"),
+        (
+            "model.safetensors",
+            "model.safetensors is where dtrain writes its model.safetensors, and it is weights dtrain did not write",
+        ),
+        (
+            "link:tensorboard",
+            "tensorboard is where dtrain writes its tensorboard, and it is not a folder (a link of yours?)",
+        ),
+    ],
+)
 def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path, stranger, message):
     """run.overwrite and run.allow_other_files never make dtrain delete or write into what it did not
     write, even at one of its own names."""
@@ -115,8 +153,8 @@ def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path,
         (tmp_path / "mine").mkdir()
         path.symlink_to(tmp_path / "mine")
     elif stranger == "model.safetensors":
-        from safetensors.torch import save_file
         import torch
+        from safetensors.torch import save_file
 
         save_file({"w": torch.ones(2)}, str(path), metadata={"format": "pt"})  # someone's pretrained weights
     else:
@@ -143,17 +181,20 @@ def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
     (run_dir / ".lock").symlink_to(victim)
     result = dtrain("run", *JOB, f"run.dir={run_dir}")
     assert result.returncode == 2, result.stderr
-    assert f"run.dir {run_dir}: .lock is where dtrain writes its .lock, and it is not dtrain's lock file" \
-        in result.stderr
+    assert (
+        f"run.dir {run_dir}: .lock is where dtrain writes its .lock, and it is not dtrain's lock file" in result.stderr
+    )
     assert victim.read_text() == "mine"
 
 
 @pytest.mark.parametrize("where", ["/", "~"])
 def test_the_root_and_home_folders_are_never_a_run_dir(where):
     shown = os.path.expanduser(where)
-    refused(dtrain("run", *JOB, f"run.dir={where}", "run.allow_other_files=true", "run.overwrite=true"),
-            f"run.dir {shown} is {'the root folder' if where == '/' else 'your home folder'}; give the run a "
-            f"folder of its own, e.g. run.dir=runs/first")
+    refused(
+        dtrain("run", *JOB, f"run.dir={where}", "run.allow_other_files=true", "run.overwrite=true"),
+        f"run.dir {shown} is {'the root folder' if where == '/' else 'your home folder'}; give the run a "
+        f"folder of its own, e.g. run.dir=runs/first",
+    )
 
 
 def test_the_api_refuses_before_training_what_the_launcher_would(tmp_path):
@@ -169,7 +210,9 @@ def test_the_api_refuses_before_training_what_the_launcher_would(tmp_path):
     model = torch.nn.Linear(3, 2)
     x = torch.randn(16, 3)
     trainer = dtrain.Trainer(config, model=model, train_data=TensorDataset(x, (x[:, 0] > 0).long()))
-    with pytest.raises(dtrain.DtrainError, match="model.safetensors is not a file \\(a folder\\?\\), and the run "
-                                                 "writes its final weights there"):
+    with pytest.raises(
+        dtrain.DtrainError,
+        match="model.safetensors is not a file \\(a folder\\?\\), and the run writes its final weights there",
+    ):
         trainer.fit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no lock, no outputs left

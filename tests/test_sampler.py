@@ -73,7 +73,7 @@ def test_train_batches_follow_the_shard_grouped_for_accumulation(make):
         assert seen.tolist() == sampler.shard(1).tolist()
         # Resuming at step 1 of the epoch continues exactly where step 0 ended.
         later = torch.cat([y for g in batches.epoch(1, start_step=1) for _, y in g])
-        assert later.tolist() == sampler.shard(1)[batch * accum:].tolist()
+        assert later.tolist() == sampler.shard(1)[batch * accum :].tolist()
 
 
 def test_drop_last_drops_only_the_partial_batch():

@@ -35,17 +35,22 @@ def test_fsdp_takes_the_steps_ddp_takes(fsdp, name):
         assert all(m["grad_norm"] > 0.05 for m in train_lines(out / "fsdp_accum_clip"))  # clipping bit
 
 
-@pytest.mark.parametrize("plain, changed, tolerance", [
-    ("ddp_plain", "ddp_full_ac", 0), ("fsdp_plain", "fsdp_selective_ac", 0),
-    ("fsdp_plain", "fsdp_compiled", 1e-4), ("ddp_plain", "ddp_compiled", 1e-4)])
+@pytest.mark.parametrize(
+    "plain, changed, tolerance",
+    [
+        ("ddp_plain", "ddp_full_ac", 0),
+        ("fsdp_plain", "fsdp_selective_ac", 0),
+        ("fsdp_plain", "fsdp_compiled", 1e-4),
+        ("ddp_plain", "ddp_compiled", 1e-4),
+    ],
+)
 def test_activation_checkpointing_and_compile_take_the_plain_steps(fsdp, plain, changed, tolerance):
     """Recomputing activations is exact; compiled kernels round differently, within a small tolerance."""
     out, _, console = fsdp
     assert_same_training(out / plain, out / changed, tolerance)
     if "compiled" in changed:
         mode = "blocks" if changed.startswith("fsdp") else "model"
-        assert re.search(rf"compiled \({mode}\) in the first step: [0-9.]+ s, left out of throughput$", console,
-                         re.M)
+        assert re.search(rf"compiled \({mode}\) in the first step: [0-9.]+ s, left out of throughput$", console, re.M)
 
 
 def test_each_rank_holds_half_the_parameters_and_optimizer_state(fsdp):
@@ -55,8 +60,7 @@ def test_each_rank_holds_half_the_parameters_and_optimizer_state(fsdp):
     for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         assert len(ddp[name]) == len(sharded[name]) == 2 and min(ddp[name]) > 0
         assert [s / d for s, d in zip(sharded[name], ddp[name])] == pytest.approx([0.5, 0.5], rel=0.05), name
-    assert re.search(r"memory per rank \(the most any of 2 holds\): parameters [0-9.]+ KiB, gradients", console,
-                     re.M)
+    assert re.search(r"memory per rank \(the most any of 2 holds\): parameters [0-9.]+ KiB, gradients", console, re.M)
     assert results["units"] == 2  # the GPT's two blocks, then the root
     for held, whole in (results["param_bytes"], results["optimizer_bytes"]):
         assert whole > 0 and held == pytest.approx(whole / 2, rel=0.05)
@@ -86,12 +90,15 @@ def test_fsdp_resumes_bitwise(fsdp):
 
 def test_fsdp_units_naming_no_module_is_one_line(fsdp):
     _, results, _ = fsdp
-    assert results["bad_units"].startswith("distributed.fsdp_units = ['Nowhere'] names no module of this model; "
-                                           "its module classes are Block, ")
+    assert results["bad_units"].startswith(
+        "distributed.fsdp_units = ['Nowhere'] names no module of this model; its module classes are Block, "
+    )
     # The GPT ties lm_head.weight to the token embedding: a Linear unit would shard one of them alone.
     assert results["tied_units"].startswith("distributed.fsdp_units makes ") and "tied weights" in results["tied_units"]
-    assert results["container_units"] == ("distributed.fsdp_units names ModuleList, a container whose forward is "
-                                          "never called; name the block class inside it (Block)")
+    assert results["container_units"] == (
+        "distributed.fsdp_units names ModuleList, a container whose forward is "
+        "never called; name the block class inside it (Block)"
+    )
 
 
 def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
@@ -103,27 +110,46 @@ def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
     assert held == pytest.approx(whole / 2, rel=0.05)  # sharded over 2, replicated over the other 2
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["distributed.strategy=fsdp", "training.precision=fp16"],
-     "training.precision = 'fp16' needs a gradient scaler that knows the shards"),
-    (["distributed.strategy=hsdp", "distributed.hsdp_shard_size=3"],
-     "distributed.strategy = 'hsdp' shards over groups of 3 processes"),
-    (["distributed.strategy=fsdp", "distributed.comm_hook=fp16"],
-     "distributed.comm_hook = 'fp16' is a DDP hook"),
-    (["training.compile=true", "CXX=no-such-c++"],
-     "training.compile needs a C++ compiler to build CPU code and 'no-such-c++' (from CXX) is not on PATH"),
-    (["training.compile=true", "CXX="], "training.compile needs a C++ compiler and CXX is set but empty"),
-    (["training.compile=true", "CXX=/bin/false"],
-     "training.compile needs a C++ compiler and '/bin/false' (from CXX) does not run as one"),
-    (["training.activation_checkpointing=full"],  # found by a worker: the launcher does not build the model
-     "training.activation_checkpointing and training.compile=blocks work block by block, and Sequential has no "
-     "blocks dtrain can find"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["distributed.strategy=fsdp", "training.precision=fp16"],
+            "training.precision = 'fp16' needs a gradient scaler that knows the shards",
+        ),
+        (
+            ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=3"],
+            "distributed.strategy = 'hsdp' shards over groups of 3 processes",
+        ),
+        (["distributed.strategy=fsdp", "distributed.comm_hook=fp16"], "distributed.comm_hook = 'fp16' is a DDP hook"),
+        (
+            ["training.compile=true", "CXX=no-such-c++"],
+            "training.compile needs a C++ compiler to build CPU code and 'no-such-c++' (from CXX) is not on PATH",
+        ),
+        (["training.compile=true", "CXX="], "training.compile needs a C++ compiler and CXX is set but empty"),
+        (
+            ["training.compile=true", "CXX=/bin/false"],
+            "training.compile needs a C++ compiler and '/bin/false' (from CXX) does not run as one",
+        ),
+        (
+            ["training.activation_checkpointing=full"],  # found by a worker: the launcher does not build the model
+            "training.activation_checkpointing and training.compile=blocks work block by block, and Sequential has no "
+            "blocks dtrain can find",
+        ),
+    ],
+)
 def test_what_sharding_cannot_do_is_refused_by_the_launcher(tmp_path, overrides, message):
     environment = dict(o.split("=", 1) for o in overrides if o.startswith("CXX="))
     overrides = [o for o in overrides if not o.startswith("CXX=")]
-    result = dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", *overrides,
-                    extra_env=environment)
+    result = dtrain(
+        "run",
+        "examples/digits_mlp.toml",
+        "--nproc",
+        "2",
+        f"run.dir={tmp_path / 'run'}",
+        *overrides,
+        extra_env=environment,
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
@@ -131,9 +157,18 @@ def test_what_sharding_cannot_do_is_refused_by_the_launcher(tmp_path, overrides,
 
 # --- resuming on another number of processes -------------------------------------------------------
 
-GPT = ["examples/gpt_stdlib.toml", "data.block_size=16", "data.batch_size=4", "training.grad_accum_steps=2",
-       "training.max_steps=8", "training.log_every=1", "checkpoint.every_steps=4", "scheduler.warmup_steps=2",
-       "model.options={n_layer = 2, n_head = 2, n_embd = 16}", "data.eval_batch_size=64"]
+GPT = [
+    "examples/gpt_stdlib.toml",
+    "data.block_size=16",
+    "data.batch_size=4",
+    "training.grad_accum_steps=2",
+    "training.max_steps=8",
+    "training.log_every=1",
+    "checkpoint.every_steps=4",
+    "scheduler.warmup_steps=2",
+    "model.options={n_layer = 2, n_head = 2, n_embd = 16}",
+    "data.eval_batch_size=64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +179,9 @@ def tokens(tmp_path_factory):
     from pathlib import Path
 
     corpus = tmp_path_factory.mktemp("corpus")
-    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", corpus / "json",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(sysconfig.get_paths()["stdlib"]) / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__")
+    )
     out = tmp_path_factory.mktemp("tokens") / "bytes"
     ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--tokenizer", "bytes", "--workers", "1"))
     return out
@@ -163,14 +199,37 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
     """Same global batches after the resume (accumulation regrouped, and said), the loss curve the
     uninterrupted run took; from DDP to FSDP and back."""
     strategy, nproc = after
-    ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "2", f"run.dir={tmp_path}",
-              f"distributed.strategy={before}", "training.stop_at_step=4"))
-    resumed = ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", str(nproc), f"run.dir={tmp_path}",
-                        f"distributed.strategy={strategy}"))
-    assert (f"step-4 was written by 2 processes and this run has {nproc}: training.grad_accum_steps 2 → {accum} "
-            f"keeps its global batch of 16 samples") in resumed.stderr
-    assert (f"the config changed since that checkpoint (distributed.strategy {before} → {strategy}): this run "
-            f"follows it from step 4\n") in resumed.stderr
+    ok(
+        dtrain(
+            "run",
+            *GPT,
+            f"data.path={tokens}",
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+            f"distributed.strategy={before}",
+            "training.stop_at_step=4",
+        )
+    )
+    resumed = ok(
+        dtrain(
+            "run",
+            *GPT,
+            f"data.path={tokens}",
+            "--nproc",
+            str(nproc),
+            f"run.dir={tmp_path}",
+            f"distributed.strategy={strategy}",
+        )
+    )
+    assert (
+        f"step-4 was written by 2 processes and this run has {nproc}: training.grad_accum_steps 2 → {accum} "
+        f"keeps its global batch of 16 samples"
+    ) in resumed.stderr
+    assert (
+        f"the config changed since that checkpoint (distributed.strategy {before} → {strategy}): this run "
+        f"follows it from step 4\n"
+    ) in resumed.stderr
     losses, reference = [m["loss"] for m in train_lines(tmp_path)], [m["loss"] for m in train_lines(whole)]
     assert len(losses) == len(reference) == 8 and losses == pytest.approx(reference, abs=1e-5)
     assert eval_lines(tmp_path)[-1]["eval_loss"] == pytest.approx(eval_lines(whole)[-1]["eval_loss"], abs=1e-5)
@@ -178,10 +237,20 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
     assert f"grad_accum_steps = {accum}" in (tmp_path / "config.toml").read_text()
     # The same command again: the run's end was checkpointed by the regrouped run (its own accumulation, not
     # the config's); it is found complete, and nothing trains.
-    again = ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", str(nproc), f"run.dir={tmp_path}",
-                      f"distributed.strategy={strategy}"))
-    assert re.search(r"^resumed from \S+step-8 \(step 8 of 8, epoch \d+\): the run is already complete$", again.stderr,
-                     re.M), again.stderr
+    again = ok(
+        dtrain(
+            "run",
+            *GPT,
+            f"data.path={tokens}",
+            "--nproc",
+            str(nproc),
+            f"run.dir={tmp_path}",
+            f"distributed.strategy={strategy}",
+        )
+    )
+    assert re.search(
+        r"^resumed from \S+step-8 \(step 8 of 8, epoch \d+\): the run is already complete$", again.stderr, re.M
+    ), again.stderr
     assert [m["loss"] for m in train_lines(tmp_path)] == losses
 
 
@@ -193,6 +262,8 @@ def test_what_cannot_resume_on_another_number_of_processes_is_refused_by_the_lau
     result = dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "3", f"run.dir={run_dir}", "training.max_steps=12")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0] == ("dtrain: error: checkpoint step-8 trained on global batches of 16 samples (2 processes × 8); "
-                        "3 processes with data.batch_size=4 cannot make that up in whole accumulation steps: resume "
-                        "with a number of processes that divides 16")
+    assert lines[0] == (
+        "dtrain: error: checkpoint step-8 trained on global batches of 16 samples (2 processes × 8); "
+        "3 processes with data.batch_size=4 cannot make that up in whole accumulation steps: resume "
+        "with a number of processes that divides 16"
+    )

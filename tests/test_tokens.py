@@ -18,9 +18,16 @@ from dtrain.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
 from helpers import WORKERS, dtrain, ok, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-GPT = ["examples/gpt_stdlib.toml", "data.block_size=32", "data.batch_size=4", "training.epochs=1",
-       "training.max_steps=12", "training.log_every=1", "model.options={n_layer = 2, n_head = 2, n_embd = 32}",
-       "scheduler.warmup_steps=2"]
+GPT = [
+    "examples/gpt_stdlib.toml",
+    "data.block_size=32",
+    "data.batch_size=4",
+    "training.epochs=1",
+    "training.max_steps=12",
+    "training.log_every=1",
+    "model.options={n_layer = 2, n_head = 2, n_embd = 32}",
+    "scheduler.warmup_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +75,19 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_p
     (empty / "blank.txt").write_text("  \n")
     (empty / "binary.bin").write_bytes(b"\xff\xfe\x00")
     cases = [
-        ([str(empty), "--out", str(tmp_path / "a")],
-         f"no text in {empty} (2 files, none of them non-empty UTF-8 text); give files or folders of text"),
+        (
+            [str(empty), "--out", str(tmp_path / "a")],
+            f"no text in {empty} (2 files, none of them non-empty UTF-8 text); give files or folders of text",
+        ),
         ([str(tmp_path / "missing"), "--out", str(tmp_path / "a")], f"{tmp_path / 'missing'}: no such file or folder"),
-        ([str(corpus), "--out", str(tmp_path / "a"), "--vocab-size", "100"],
-         "--vocab-size must be from 257 (the 256 bytes and end-of-text) to 2^31; got 100"),
-        ([str(corpus), "--out", str(corpus)],
-         f"--out {corpus} already exists and is not an empty folder; choose a new one (or delete it to prepare again)"),
+        (
+            [str(corpus), "--out", str(tmp_path / "a"), "--vocab-size", "100"],
+            "--vocab-size must be from 257 (the 256 bytes and end-of-text) to 2^31; got 100",
+        ),
+        (
+            [str(corpus), "--out", str(corpus)],
+            f"--out {corpus} already exists and is not an empty folder; choose a new one (or delete it to prepare again)",
+        ),
     ]
     for args, message in cases:
         result = dtrain("prepare", "text", *args)
@@ -84,10 +97,13 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_p
 
     big = tmp_path / "big.json"
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0")).save(str(big))
-    result = dtrain("prepare", "text", str(corpus), "--out", str(tmp_path / "a"), "--tokenizer", str(big),
-                    "--dtype", "uint16")
-    assert result.stderr.strip() == ("dtrain: error: a vocabulary of 70001 tokens does not fit in uint16 (at most "
-                                     "65536); use --dtype uint32 or a smaller --vocab-size"), result.stderr
+    result = dtrain(
+        "prepare", "text", str(corpus), "--out", str(tmp_path / "a"), "--tokenizer", str(big), "--dtype", "uint16"
+    )
+    assert result.stderr.strip() == (
+        "dtrain: error: a vocabulary of 70001 tokens does not fit in uint16 (at most "
+        "65536); use --dtype uint32 or a smaller --vocab-size"
+    ), result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "empty"]  # no output, no staging folder
 
 
@@ -107,12 +123,17 @@ def test_the_order_is_the_same_global_batch_for_1_2_and_4_processes():
             shards = [GlobalOrderSampler(n, r, world, per_rank, seed=7).shard(epoch) for r in range(world)]
             assert len({len(s) for s in shards}) == 1 and len(shards[0]) == (n // global_batch) * per_rank
             # global batch k: each rank's k-th micro-batch, in rank order
-            batches[world] = [torch.cat([s[k * per_rank:(k + 1) * per_rank] for s in shards]).tolist()
-                              for k in range(n // global_batch)]
+            batches[world] = [
+                torch.cat([s[k * per_rank : (k + 1) * per_rank] for s in shards]).tolist()
+                for k in range(n // global_batch)
+            ]
         assert batches[1] == batches[2] == batches[4]
         flat = [i for batch in batches[1] for i in batch]
         assert len(set(flat)) == len(flat)  # no window twice in an epoch
-    assert GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(0).tolist() != GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(1).tolist()
+    assert (
+        GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(0).tolist()
+        != GlobalOrderSampler(n, 0, 2, 8, seed=7).shard(1).tolist()
+    )
 
 
 def test_each_optimizer_step_takes_the_same_samples_when_accumulation_makes_up_for_fewer_processes():
@@ -127,8 +148,10 @@ def test_each_optimizer_step_takes_the_same_samples_when_accumulation_makes_up_f
             shards = [GlobalOrderSampler(n, r, world, batch, seed=7, accum=accum).shard(epoch) for r in range(world)]
             per_step = batch * accum
             assert len(shards[0]) == (n // global_batch) * per_step
-            steps[world] = [sorted(torch.cat([s[k * per_step:(k + 1) * per_step] for s in shards]).tolist())
-                            for k in range(n // global_batch)]
+            steps[world] = [
+                sorted(torch.cat([s[k * per_step : (k + 1) * per_step] for s in shards]).tolist())
+                for k in range(n // global_batch)
+            ]
         assert steps[1] == steps[2] == steps[4]
 
 
@@ -136,9 +159,19 @@ def test_windows_across_shards_match_the_files(tmp_path):
     parts = [np.arange(0, 100, dtype=np.uint16), np.arange(1000, 1050, dtype=np.uint16)]
     for i, part in enumerate(parts):
         part.tofile(tmp_path / f"train-{i:05d}.bin")
-    (tmp_path / "meta.json").write_text(json.dumps({
-        "format": "dtrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": 2000, "tokenizer": "bytes",
-        "eot_token": 1999, "splits": {"train": {"files": ["train-00000.bin", "train-00001.bin"], "tokens": 150}}}))
+    (tmp_path / "meta.json").write_text(
+        json.dumps(
+            {
+                "format": "dtrain-tokens",
+                "version": 1,
+                "dtype": "uint16",
+                "vocab_size": 2000,
+                "tokenizer": "bytes",
+                "eot_token": 1999,
+                "splits": {"train": {"files": ["train-00000.bin", "train-00001.bin"], "tokens": 150}},
+            }
+        )
+    )
     windows = TokenWindows(tmp_path, "train", block_size=10)
     assert len(windows) == 9 + 4  # (100-1)//10 and (50-1)//10: no window crosses a file
     x, y = windows.take(torch.tensor([0, 8, 9, 12]))
@@ -152,9 +185,19 @@ def test_memory_stays_flat_on_a_token_file_much_larger_than_a_batch(tmp_path):
     """64 MB of tokens, 3 000 batches drawn from all over it: the process's own (anonymous) memory does
     not grow with what it has read; only the page cache does."""
     np.random.default_rng(0).integers(0, 50000, 32_000_000, dtype=np.uint16).tofile(tmp_path / "train-00000.bin")
-    (tmp_path / "meta.json").write_text(json.dumps({
-        "format": "dtrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": 50000, "tokenizer": "bytes",
-        "eot_token": 0, "splits": {"train": {"files": ["train-00000.bin"], "tokens": 32_000_000}}}))
+    (tmp_path / "meta.json").write_text(
+        json.dumps(
+            {
+                "format": "dtrain-tokens",
+                "version": 1,
+                "dtype": "uint16",
+                "vocab_size": 50000,
+                "tokenizer": "bytes",
+                "eot_token": 0,
+                "splits": {"train": {"files": ["train-00000.bin"], "tokens": 32_000_000}},
+            }
+        )
+    )
     windows = TokenWindows(tmp_path, "train", block_size=256)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
 
@@ -165,7 +208,7 @@ def test_memory_stays_flat_on_a_token_file_much_larger_than_a_batch(tmp_path):
     windows.take(order[:8])
     before = anonymous_kib()
     for k in range(3000):
-        windows.take(order[k * 8:(k + 1) * 8])
+        windows.take(order[k * 8 : (k + 1) * 8])
     assert anonymous_kib() - before < 16 * 1024, "memory grew with the data read"
 
 
@@ -175,10 +218,14 @@ def test_meta_json_problems_are_one_line(prepared, tmp_path):
     meta = json.loads((folder / "meta.json").read_text())
     cases = [
         (lambda: (folder / "meta.json").write_text("{not json"), "is not readable JSON"),
-        (lambda: (folder / "meta.json").write_text(json.dumps({**meta, "format": "other"})),
-         "'format' must be \"dtrain-tokens\""),
-        (lambda: (folder / "meta.json").write_text(json.dumps({**meta, "vocab_size": 70000})),
-         "'vocab_size' must be an integer from 2 to what uint16 holds; got 70000"),
+        (
+            lambda: (folder / "meta.json").write_text(json.dumps({**meta, "format": "other"})),
+            "'format' must be \"dtrain-tokens\"",
+        ),
+        (
+            lambda: (folder / "meta.json").write_text(json.dumps({**meta, "vocab_size": 70000})),
+            "'vocab_size' must be an integer from 2 to what uint16 holds; got 70000",
+        ),
         (lambda: (folder / "train-00000.bin").unlink(), "train-00000.bin is missing"),
     ]
     for damage, message in cases:
@@ -194,18 +241,31 @@ def test_meta_json_problems_are_one_line(prepared, tmp_path):
         read_meta(folder)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["data.path=/no/such/tokens"], "/no/such/tokens/meta.json does not exist: data.path must be a folder made by "
-                                    "`dtrain prepare text ... --out /no/such/tokens`"),
-    (["data.block_size=1000000"], "holds 0 training windows of data.block_size + 1 = 1000001 tokens, fewer than "
-                                 "one global batch (8 = data.batch_size × 2 processes); lower data.block_size or "
-                                 "data.batch_size, or prepare more text"),
-    (["model.options={n_layer = 1, n_head = 1, n_embd = 8, vocab_size = 50}"],
-     "model.options.vocab_size = 50 is smaller than the data's vocabulary (1000 tokens, meta.json); drop it to "
-     "use the data's"),
-    (["model.options={n_layer = 1, n_head = 1, n_embd = 8, block_size = 16}"],
-     "model.options.block_size = 16 is shorter than data.block_size = 32; raise it or lower data.block_size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["data.path=/no/such/tokens"],
+            "/no/such/tokens/meta.json does not exist: data.path must be a folder made by "
+            "`dtrain prepare text ... --out /no/such/tokens`",
+        ),
+        (
+            ["data.block_size=1000000"],
+            "holds 0 training windows of data.block_size + 1 = 1000001 tokens, fewer than "
+            "one global batch (8 = data.batch_size × 2 processes); lower data.block_size or "
+            "data.batch_size, or prepare more text",
+        ),
+        (
+            ["model.options={n_layer = 1, n_head = 1, n_embd = 8, vocab_size = 50}"],
+            "model.options.vocab_size = 50 is smaller than the data's vocabulary (1000 tokens, meta.json); drop it to "
+            "use the data's",
+        ),
+        (
+            ["model.options={n_layer = 1, n_head = 1, n_embd = 8, block_size = 16}"],
+            "model.options.block_size = 16 is shorter than data.block_size = 32; raise it or lower data.block_size",
+        ),
+    ],
+)
 def test_token_jobs_that_cannot_work_are_refused_in_one_line(prepared, tmp_path, args, message):
     result = dtrain("run", *GPT, f"data.path={prepared}", *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr
@@ -261,17 +321,35 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
         assert refused.returncode == 2 and refused.stderr.startswith("dtrain: error: --temperature must be a number")
     result = dtrain("generate", str(gpt_run / "nope"))
     assert result.returncode == 2 and "model.safetensors does not exist" not in result.stderr
-    assert result.stderr.strip() == (f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
-                                     f"be the run.dir of a finished run")
+    assert result.stderr.strip() == (
+        f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
+        f"be the run.dir of a finished run"
+    )
 
 
 def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(prepared, tmp_path):
     """examples/hf_causal_lm.py through `dtrain launch`: dict samples, the model's own .loss, 2 ranks."""
     pytest.importorskip("transformers")  # the test extra installs it
-    launch = ["launch", "--nproc", "2", "examples/hf_causal_lm.py", "--data", str(prepared), "--width", "32",
-              "--layers", "1"]
-    plan = ["data.block_size=32", "data.batch_size=4", "training.max_steps=10", "training.log_every=1",
-            "scheduler.warmup_steps=2", "optimizer.lr=0.003"]
+    launch = [
+        "launch",
+        "--nproc",
+        "2",
+        "examples/hf_causal_lm.py",
+        "--data",
+        str(prepared),
+        "--width",
+        "32",
+        "--layers",
+        "1",
+    ]
+    plan = [
+        "data.block_size=32",
+        "data.batch_size=4",
+        "training.max_steps=10",
+        "training.log_every=1",
+        "scheduler.warmup_steps=2",
+        "optimizer.lr=0.003",
+    ]
     whole = tmp_path / "whole"
     ok(dtrain(*launch, "--run-dir", str(whole), *plan))
     lines = train_lines(whole)
@@ -302,8 +380,9 @@ def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
     ids = np.fromfile(folder / "train-00000.bin", dtype=np.uint16)
     ids[::50] = 65535
     ids.tofile(folder / "train-00000.bin")
-    with pytest.raises(DtrainError, match="a token id 65535 is outside the vocabulary \\(vocab_size 1000 in "
-                                          "meta.json\\)") as refused:
+    with pytest.raises(
+        DtrainError, match="a token id 65535 is outside the vocabulary \\(vocab_size 1000 in meta.json\\)"
+    ) as refused:
         TokenWindows(folder, "train", 32).take(torch.arange(40))
     assert "\n" not in str(refused.value)
     # Through the CLI: found by the workers in the first batch, said once, and nothing left half-written,
@@ -312,7 +391,8 @@ def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
     args = ["run", *GPT, "training.max_steps=2", f"data.path={folder}", "--nproc", "2", f"run.dir={run_dir}"]
     failed = dtrain(*args)
     assert failed.returncode == 2 and [line for line in failed.stderr.splitlines() if line.strip()] == [
-        f"dtrain: error: {str(refused.value)}"], failed.stderr
+        f"dtrain: error: {refused.value!s}"
+    ], failed.stderr
     assert [p.name for p in run_dir.iterdir()] == [".lock"]
     shutil.copy(prepared / "train-00000.bin", folder / "train-00000.bin")
     ok(dtrain(*args))

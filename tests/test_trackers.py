@@ -11,8 +11,18 @@ from dtrain.config import load_config
 from dtrain.errors import ConfigError
 from helpers import dtrain, metrics, ok, run
 
-JOB = ["examples/digits_mlp.toml", "data.name=synthetic", "data.num_samples=200", "data.input_shape=[12]",
-       "data.batch_size=32", "training.epochs=2", "training.log_every=1", "model.hidden_size=16", "--nproc", "2"]
+JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=200",
+    "data.input_shape=[12]",
+    "data.batch_size=32",
+    "training.epochs=2",
+    "training.log_every=1",
+    "model.hidden_size=16",
+    "--nproc",
+    "2",
+]
 
 
 def wandb_records(path):
@@ -26,11 +36,11 @@ def wandb_records(path):
         if left < 7:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        payload, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        payload, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # whole, or the last piece
             records.append(partial + payload)
             partial = b""
@@ -49,8 +59,15 @@ def tracked(tmp_path_factory):
     pytest.importorskip("mlflow")  # the test extra installs both
     pytest.importorskip("wandb")
     run_dir = tmp_path_factory.mktemp("tracked")
-    ok(dtrain("run", *JOB, f"run.dir={run_dir}", 'monitor.trackers=["tensorboard", "mlflow", "wandb"]',
-              extra_env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}))
+    ok(
+        dtrain(
+            "run",
+            *JOB,
+            f"run.dir={run_dir}",
+            'monitor.trackers=["tensorboard", "mlflow", "wandb"]',
+            extra_env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        )
+    )
     return run_dir
 
 
@@ -83,8 +100,12 @@ def test_wandb_offline_gets_every_metric_at_its_step_and_the_config(tracked):
                 history[record.history.step.num] = items["loss"]
     expected = {r["step"]: r["loss"] for r in metrics(tracked) if "loss" in r}
     assert history == pytest.approx(expected)
-    config = {u.key: json.loads(u.value_json) for record in records if record.WhichOneof("record_type") == "run"
-              for u in record.run.config.update}
+    config = {
+        u.key: json.loads(u.value_json)
+        for record in records
+        if record.WhichOneof("record_type") == "run"
+        for u in record.run.config.update
+    }
     assert config["optimizer"]["lr"] == 0.2 and config["training"]["epochs"] == 2
 
 
@@ -92,9 +113,11 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_starts(tmp_p
     hide = "import sys; sys.modules['wandb'] = None; from dtrain.cli import main; sys.exit(main(sys.argv[1:]))"
     result = run([sys.executable, "-c", hide, "run", *JOB, f"run.dir={tmp_path / 'run'}", 'monitor.trackers=["wandb"]'])
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == ("dtrain: error: monitor.trackers names wandb, which is not installed here; pip "
-                                     "install wandb (or pip install 'dtrain[trackers]'), or drop it from "
-                                     "monitor.trackers")
+    assert result.stderr.strip() == (
+        "dtrain: error: monitor.trackers names wandb, which is not installed here; pip "
+        "install wandb (or pip install 'dtrain[trackers]'), or drop it from "
+        "monitor.trackers"
+    )
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="'comet' is none of them"):
         load_config(None, ['monitor.trackers=["comet"]'])

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, ok, torchrun,
-                     train_lines, weights)
+from helpers import ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, ok, torchrun, train_lines, weights
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +108,9 @@ def test_accumulating_4_micro_batches_equals_one_batch_4_times_larger(shared):
 
 def test_two_ranks_of_b_equal_one_rank_of_2b(shared, tmp_path):
     """The 2-rank × 8 run happened in the shared launch; the 1-rank × 16 run happens here."""
-    import dtrain
     from scenarios import config, data, fresh_model
+
+    import dtrain
 
     out, _ = shared
     one = dtrain.Trainer(config(tmp_path, {"data": {"batch_size": 16}}), model=fresh_model(), train_data=data(200, 0))
@@ -129,11 +129,14 @@ def test_bf16_autocast_on_cpu_runs_and_learns(shared):
 
 
 def test_fp16_on_cpu_is_refused_clearly(tmp_path):
-    result = dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "training.precision=fp16",
-                    f"run.dir={tmp_path / 'run'}")
+    result = dtrain(
+        "run", "examples/digits_mlp.toml", "--nproc", "2", "training.precision=fp16", f"run.dir={tmp_path / 'run'}"
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == ("dtrain: error: training.precision = 'fp16' needs a CUDA GPU (fp16 "
-                                     "autocast with GradScaler); on this CPU use training.precision=bf16 or fp32")
+    assert result.stderr.strip() == (
+        "dtrain: error: training.precision = 'fp16' needs a CUDA GPU (fp16 "
+        "autocast with GradScaler); on this CPU use training.precision=bf16 or fp32"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -169,8 +172,9 @@ def test_the_main_job(tmp_path):
     # The resolved config was written and reads back as the job that ran.
     from dtrain.config import load_config
 
-    assert load_config(run_dir / "config.toml") == load_config(ROOT / "examples" / "digits_mlp.toml",
-                                                                ["monitor.flops=yes", f"run.dir={run_dir}"])
+    assert load_config(run_dir / "config.toml") == load_config(
+        ROOT / "examples" / "digits_mlp.toml", ["monitor.flops=yes", f"run.dir={run_dir}"]
+    )
 
     # Real TensorBoard event files holding the same numbers.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -181,9 +185,13 @@ def test_the_main_job(tmp_path):
     assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [m["step"] for m in lines]
     # The same values, not only the same steps (TensorBoard keeps float32).
-    for tag, key, records in (("train/loss", "loss", lines), ("train/lr", "lr", lines),
-                              ("time/comm_ms", "comm_ms", lines), ("eval/loss", "eval_loss", eval_lines(run_dir)),
-                              ("eval/accuracy", "eval_accuracy", eval_lines(run_dir))):
+    for tag, key, records in (
+        ("train/loss", "loss", lines),
+        ("train/lr", "lr", lines),
+        ("time/comm_ms", "comm_ms", lines),
+        ("eval/loss", "eval_loss", eval_lines(run_dir)),
+        ("eval/accuracy", "eval_accuracy", eval_lines(run_dir)),
+    ):
         assert [e.value for e in events.Scalars(tag)] == pytest.approx([m[key] for m in records], rel=1e-6), tag
     assert events.Scalars("eval/accuracy")[-1].value == pytest.approx(final["eval_accuracy"], rel=1e-6)
 

@@ -26,51 +26,100 @@ ROOT = Path(__file__).resolve().parent.parent
 BREAKAGES = {
     "resume_off": (
         "a Trainer finds the checkpoint but does not load it",
-        [("src/dtrain/trainer.py", "        if resume_from is not None:\n            position = self.checkpointer",
-          "        if False:\n            position = self.checkpointer")],
-        ["tests/test_checkpoint.py::test_stop_and_resume_is_bitwise_equal_in_every_situation"]),
+        [
+            (
+                "src/dtrain/trainer.py",
+                "        if resume_from is not None:\n            position = self.checkpointer",
+                "        if False:\n            position = self.checkpointer",
+            )
+        ],
+        ["tests/test_checkpoint.py::test_stop_and_resume_is_bitwise_equal_in_every_situation"],
+    ),
     "shm_sum_order": (
         "each rank sums the shared-memory slots starting from its own (ranks round differently)",
-        [("src/dtrain/comm.py", "            torch.add(slots[0], slots[1], out=chunk)\n"
-                                "            for r in range(2, self.world_size):\n",
-          "            order = [(self.rank + k) % self.world_size for k in range(self.world_size)]\n"
-          "            torch.add(slots[order[0]], slots[order[1]], out=chunk)\n"
-          "            for r in order[2:]:\n")],
-        ["tests/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"]),
+        [
+            (
+                "src/dtrain/comm.py",
+                "            torch.add(slots[0], slots[1], out=chunk)\n"
+                "            for r in range(2, self.world_size):\n",
+                "            order = [(self.rank + k) % self.world_size for k in range(self.world_size)]\n"
+                "            torch.add(slots[order[0]], slots[order[1]], out=chunk)\n"
+                "            for r in order[2:]:\n",
+            )
+        ],
+        ["tests/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"],
+    ),
     "bf16_ignored": (
         "training.precision = bf16 runs the forward pass in fp32",
-        [("src/dtrain/amp.py", "autocast = functools.partial(torch.autocast, device_type=device.type, dtype=dtype)",
-          "autocast = contextlib.nullcontext")],
-        ["tests/test_training.py::test_bf16_autocast_on_cpu_runs_and_learns"]),
+        [
+            (
+                "src/dtrain/amp.py",
+                "autocast = functools.partial(torch.autocast, device_type=device.type, dtype=dtype)",
+                "autocast = contextlib.nullcontext",
+            )
+        ],
+        ["tests/test_training.py::test_bf16_autocast_on_cpu_runs_and_learns"],
+    ),
     "prune_skipped": (
         "checkpoint.keep is ignored: old checkpoints are never deleted",
-        [("src/dtrain/checkpoint/store.py", "        for checkpoint in doomed:\n            shutil.rmtree",
-          "        for checkpoint in []:\n            shutil.rmtree")],
-        ["tests/test_checkpoint.py::test_checkpoints_are_kept_k_and_sealed"]),
+        [
+            (
+                "src/dtrain/checkpoint/store.py",
+                "        for checkpoint in doomed:\n            shutil.rmtree",
+                "        for checkpoint in []:\n            shutil.rmtree",
+            )
+        ],
+        ["tests/test_checkpoint.py::test_checkpoints_are_kept_k_and_sealed"],
+    ),
     "eval_counts_padding": (
         "evaluation pads the ranks' shares as DistributedSampler does, counting duplicates",
-        [("src/dtrain/data/sampler.py", "return torch.arange(rank, n, world_size)",
-          "return torch.arange(rank, n + (-n) % world_size, world_size) % n")],
-        ["tests/test_training.py::test_eval_is_exact_when_the_world_size_does_not_divide_the_data"]),
+        [
+            (
+                "src/dtrain/data/sampler.py",
+                "return torch.arange(rank, n, world_size)",
+                "return torch.arange(rank, n + (-n) % world_size, world_size) % n",
+            )
+        ],
+        ["tests/test_training.py::test_eval_is_exact_when_the_world_size_does_not_divide_the_data"],
+    ),
     "set_epoch_forgotten": (
         "every epoch reuses epoch 0's order (set_epoch never called)",
         [("src/dtrain/data/loaders.py", "self.sampler.set_epoch(epoch)", "self.sampler.set_epoch(0)")],
-        ["tests/test_training.py::test_parity_with_a_plain_ddp_loop"]),
+        ["tests/test_training.py::test_parity_with_a_plain_ddp_loop"],
+    ),
     "sync_every_micro_batch": (
         "gradient accumulation all-reduces on every micro-batch (no no_sync)",
-        [("src/dtrain/trainer.py", "model.require_backward_grad_sync = i == last",
-          "model.require_backward_grad_sync = True")],
-        ["tests/test_training.py::test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch"]),
+        [
+            (
+                "src/dtrain/trainer.py",
+                "model.require_backward_grad_sync = i == last",
+                "model.require_backward_grad_sync = True",
+            )
+        ],
+        ["tests/test_training.py::test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch"],
+    ),
     "skips_stay_in_schedule": (
         "fp16 steps GradScaler skipped are never taken out of the LR schedule",
-        [("src/dtrain/trainer.py", "        if record.get(\"skipped_steps\"):\n            self._unschedule",
-          "        if False:\n            self._unschedule")],
-        ["tests/test_gpu_paths.py::test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true"]),
+        [
+            (
+                "src/dtrain/trainer.py",
+                '        if record.get("skipped_steps"):\n            self._unschedule',
+                "        if False:\n            self._unschedule",
+            )
+        ],
+        ["tests/test_gpu_paths.py::test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true"],
+    ),
     "host_read_in_step": (
         "the step reads the loss back to the host every step",
-        [("src/dtrain/trainer.py", "            self.metrics.loss_sum += loss.detach()",
-          "            self.metrics.loss_sum += loss.detach().item()")],
-        ["tests/test_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"]),
+        [
+            (
+                "src/dtrain/trainer.py",
+                "            self.metrics.loss_sum += loss.detach()",
+                "            self.metrics.loss_sum += loss.detach().item()",
+            )
+        ],
+        ["tests/test_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
+    ),
 }
 
 
@@ -101,8 +150,13 @@ def check(name: str) -> tuple[bool, float, str]:
         apply(copy, edits)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy / "src"), os.environ.get("PYTHONPATH", "")])}
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                              cwd=copy, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         return done.returncode == 1, time.monotonic() - start, last
 

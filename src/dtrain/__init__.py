@@ -1,8 +1,8 @@
 """dtrain: data-parallel PyTorch training across processes and machines, done for you.
 
-    import dtrain
-    config = dtrain.load_config("examples/digits_mlp.toml", ["training.epochs=3"])
-    dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set).fit()
+import dtrain
+config = dtrain.load_config("examples/digits_mlp.toml", ["training.epochs=3"])
+dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set).fit()
 """
 
 __version__ = "0.1.0"

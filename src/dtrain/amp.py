@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 
@@ -32,20 +33,25 @@ class Precision:
         return sum(per_device.values()) if per_device else None
 
 
-def precision_problem(name: str, device_type: str, gpu_name: str = "", capability: tuple[int, int] = (0, 0),
-                      rocm: bool = False) -> str | None:
+def precision_problem(
+    name: str, device_type: str, gpu_name: str = "", capability: tuple[int, int] = (0, 0), rocm: bool = False
+) -> str | None:
     """Why `training.precision = name` cannot run on this device, as a one-line answer (None: it can).
 
     bf16 needs native support (compute capability 8.0, Ampere, or newer; ROCm GPUs have it): V100 and
     T4 only emulate it, slower than fp32, which torch.cuda.is_bf16_supported() reports as supported.
     """
     if name == "fp16" and device_type != "cuda":
-        return ("training.precision = 'fp16' needs a CUDA GPU (fp16 autocast with GradScaler); on this "
-                "CPU use training.precision=bf16 or fp32")
+        return (
+            "training.precision = 'fp16' needs a CUDA GPU (fp16 autocast with GradScaler); on this "
+            "CPU use training.precision=bf16 or fp32"
+        )
     if name == "bf16" and device_type == "cuda" and not rocm and capability[0] < 8:
-        return (f"training.precision = 'bf16' is only emulated on {gpu_name} (compute capability "
-                f"{capability[0]}.{capability[1]}; native bf16 needs 8.0 or newer); use "
-                f"training.precision=fp16 or fp32")
+        return (
+            f"training.precision = 'bf16' is only emulated on {gpu_name} (compute capability "
+            f"{capability[0]}.{capability[1]}; native bf16 needs 8.0 or newer); use "
+            f"training.precision=fp16 or fp32"
+        )
     return None
 
 
@@ -57,8 +63,13 @@ def precision_for(name: str, device: torch.device, tf32: bool = True) -> Precisi
     otherwise.
     """
     if device.type == "cuda":
-        problem = precision_problem(name, "cuda", torch.cuda.get_device_name(device),
-                                    torch.cuda.get_device_capability(device), rocm=torch.version.hip is not None)
+        problem = precision_problem(
+            name,
+            "cuda",
+            torch.cuda.get_device_name(device),
+            torch.cuda.get_device_capability(device),
+            rocm=torch.version.hip is not None,
+        )
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32  # convolutions: torch's default is TF32 already
     else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import __version__
 from .config import load_config
@@ -29,8 +29,16 @@ from .errors import EXIT_USAGE, DtrainError
 # torch is imported only after the command line and config have been checked, so that a typo is
 # answered at once rather than after seconds of imports.
 
-LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "max_restarts",
-                "local_addr")
+LAUNCH_FLAGS = (
+    "nproc",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_timeout",
+    "max_restarts",
+    "local_addr",
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,22 +50,45 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("launch (passed to torchrun)")
-    g.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="worker processes on this node (one per GPU; default 1)")
+    g.add_argument(
+        "--nproc", type=int, default=None, metavar="N", help="worker processes on this node (one per GPU; default 1)"
+    )
     g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="nodes in the job (default 1)")
-    g.add_argument("--node-rank", type=int, default=None, metavar="R",
-                   help="this node's fixed rank (static rendezvous); omit for elastic c10d rendezvous")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="rendezvous address on the first node, reachable from every node")
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this node's fixed rank (static rendezvous); omit for elastic c10d rendezvous",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous address on the first node, reachable from every node",
+    )
     g.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes (default dtrain)")
-    g.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
-                   help="how long a node waits for the rendezvous and the other nodes (default 600)")
-    g.add_argument("--max-restarts", type=int, default=None, metavar="R",
-                   help="restart the whole group up to R times when a worker fails (default 0); "
-                        "restarts resume from the newest checkpoint")
-    g.add_argument("--local-addr", default=None, metavar="ADDR",
-                   help="this node's address as the other nodes reach it (default: worked out from "
-                        "the route to --rdzv-endpoint)")
+    g.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a node waits for the rendezvous and the other nodes (default 600)",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="R",
+        help="restart the whole group up to R times when a worker fails (default 0); "
+        "restarts resume from the newest checkpoint",
+    )
+    g.add_argument(
+        "--local-addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address as the other nodes reach it (default: worked out from the route to --rdzv-endpoint)",
+    )
 
 
 def _spec(args: argparse.Namespace):
@@ -79,8 +110,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain run", description="Train the job a TOML config describes.")
     parser.add_argument("config", help="TOML job description, e.g. examples/digits_mlp.toml")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in run.dir (checkpoint.resume=yes)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in run.dir (checkpoint.resume=yes)",
+    )
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
@@ -111,8 +145,10 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 def cmd_launch(argv: Sequence[str]) -> int:
     parser = _Parser(
-        prog="dtrain launch", description="Run your own training script (using dtrain.Trainer or plain "
-        "torch.distributed) in every worker, through torchrun.")
+        prog="dtrain launch",
+        description="Run your own training script (using dtrain.Trainer or plain "
+        "torch.distributed) in every worker, through torchrun.",
+    )
     _add_launch_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
     parser.add_argument("script", help="the script every worker runs")
@@ -131,8 +167,9 @@ def cmd_config(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain config", description="Print the resolved config as TOML.")
     parser.add_argument("config", nargs="?", help="TOML job description (default: all defaults)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    parser.add_argument("--reference", action="store_true",
-                        help="print every key with its default and meaning as a Markdown table")
+    parser.add_argument(
+        "--reference", action="store_true", help="print every key with its default and meaning as a Markdown table"
+    )
     args = parser.parse_intermixed_args(argv)
     if args.reference:
         from .config import reference_rows
@@ -150,8 +187,10 @@ def cmd_config(argv: Sequence[str]) -> int:
 
 def cmd_doctor(argv: Sequence[str]) -> int:
     parser = _Parser(
-        prog="dtrain doctor", description="Report this machine's distributed set-up and what looks wrong; "
-        "with --nproc, measure a real all-reduce across the group (1 KiB to 256 MiB).")
+        prog="dtrain doctor",
+        description="Report this machine's distributed set-up and what looks wrong; "
+        "with --nproc, measure a real all-reduce across the group (1 KiB to 256 MiB).",
+    )
     _add_launch_flags(parser)
     parser.add_argument("--iters", type=int, default=3, help="timed all-reduces per size (default 3)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -170,8 +209,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    parser = _Parser(prog="dtrain report",
-                                     description="Plots and a summary of a run, written to RUN_DIR/report/.")
+    parser = _Parser(prog="dtrain report", description="Plots and a summary of a run, written to RUN_DIR/report/.")
     parser.add_argument("run_dir", help="a run.dir a dtrain run wrote metrics.jsonl to")
     args = parser.parse_args(argv)
     from pathlib import Path
@@ -186,19 +224,32 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 def cmd_prepare(argv: Sequence[str]) -> int:
     parser = _Parser(
-        prog="dtrain prepare", description="Turn text into token shards for data.name=tokens (see data/tokens.py).")
+        prog="dtrain prepare", description="Turn text into token shards for data.name=tokens (see data/tokens.py)."
+    )
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="text")
     text = kinds.add_parser("text", help="text files, folders or globs → DIR/meta.json and DIR/*.bin")
     text.add_argument("sources", nargs="*", metavar="SRC", help="files, folders (searched recursively) or globs")
     text.add_argument("--out", required=True, metavar="DIR", help="a new folder for the shards")
-    text.add_argument("--python-stdlib", action="store_true",
-                      help="take the running Python's standard-library source as the corpus (no download)")
-    text.add_argument("--tokenizer", default="bpe", metavar="bpe|bytes|FILE.json",
-                      help="bpe: a byte-level BPE trained on the training documents (default); bytes: one token "
-                           "per byte; or a Hugging Face tokenizer.json")
+    text.add_argument(
+        "--python-stdlib",
+        action="store_true",
+        help="take the running Python's standard-library source as the corpus (no download)",
+    )
+    text.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="bpe|bytes|FILE.json",
+        help="bpe: a byte-level BPE trained on the training documents (default); bytes: one token "
+        "per byte; or a Hugging Face tokenizer.json",
+    )
     text.add_argument("--vocab-size", type=int, default=4096, metavar="N", help="BPE vocabulary (default 4096)")
-    text.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
-                      help="share of documents held out for evaluation (default 0.05)")
+    text.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="share of documents held out for evaluation (default 0.05)",
+    )
     text.add_argument("--workers", type=int, default=0, metavar="N", help="encoding processes (default: up to 4)")
     text.add_argument("--dtype", default="auto", metavar="auto|uint16|uint32", help="token type on disk")
     args = parser.parse_args(argv)
@@ -206,23 +257,33 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         raise DtrainError("dtrain prepare text needs SRC files or folders, or --python-stdlib")
     from .prepare import prepare_text
 
-    meta = prepare_text(args.sources, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                        val_fraction=args.val_fraction, workers=args.workers, python_stdlib=args.python_stdlib,
-                        dtype=args.dtype)
+    meta = prepare_text(
+        args.sources,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        python_stdlib=args.python_stdlib,
+        dtype=args.dtype,
+    )
     splits, source = meta["splits"], meta["source"]
     skipped = f" ({source['skipped']:,} files skipped: empty or not UTF-8 text)" if source["skipped"] else ""
-    print(f"{args.out}: {splits['train']['tokens']:,} training and {splits['val']['tokens']:,} held-out tokens "
-          f"from {source['documents']:,} documents{skipped}; vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), "
-          f"{meta['dtype']}. Train with data.name=tokens data.path={args.out}")
+    print(
+        f"{args.out}: {splits['train']['tokens']:,} training and {splits['val']['tokens']:,} held-out tokens "
+        f"from {source['documents']:,} documents{skipped}; vocabulary {meta['vocab_size']:,} ({meta['tokenizer']}), "
+        f"{meta['dtype']}. Train with data.name=tokens data.path={args.out}"
+    )
     if not splits["val"]["tokens"]:
-        print("note: nothing was held out (one document, or --val-fraction 0): runs on it will not evaluate",
-              file=sys.stderr)
+        print(
+            "note: nothing was held out (one document, or --val-fraction 0): runs on it will not evaluate",
+            file=sys.stderr,
+        )
     return 0
 
 
 def cmd_generate(argv: Sequence[str]) -> int:
-    parser = _Parser(prog="dtrain generate",
-                                     description="Print a sample from a language model a run trained.")
+    parser = _Parser(prog="dtrain generate", description="Print a sample from a language model a run trained.")
     parser.add_argument("run_dir", help="the run.dir of a finished run (config.toml, model.safetensors)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
@@ -236,8 +297,15 @@ def cmd_generate(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "launch": cmd_launch, "config": cmd_config, "doctor": cmd_doctor,
-            "report": cmd_report, "prepare": cmd_prepare, "generate": cmd_generate}
+COMMANDS = {
+    "run": cmd_run,
+    "launch": cmd_launch,
+    "config": cmd_config,
+    "doctor": cmd_doctor,
+    "report": cmd_report,
+    "prepare": cmd_prepare,
+    "generate": cmd_generate,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,8 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"dtrain: error: unknown command '{argv[0]}'; use one of {', '.join(COMMANDS)}",
-              file=sys.stderr)
+        print(f"dtrain: error: unknown command '{argv[0]}'; use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return command(argv[1:])

@@ -36,8 +36,7 @@ SPIN_OK = platform.machine().lower() in ("x86_64", "amd64")
 class SharedMemoryAllReduce:
     """State of the DDP comm hook `shared_memory_hook`: one mapped file, two slots per rank."""
 
-    def __init__(self, rank: int, world_size: int, slot_bytes: int, path: str, timeout_s: float,
-                 spin: bool):
+    def __init__(self, rank: int, world_size: int, slot_bytes: int, path: str, timeout_s: float, spin: bool):
         self.rank = rank
         self.world_size = world_size
         self.slot_bytes = slot_bytes
@@ -48,8 +47,7 @@ class SharedMemoryAllReduce:
         self._parity = 0
         self._generation = 0
         header = world_size * FLAG_STRIDE
-        mapped = torch.from_file(path, shared=True, size=_file_bytes(world_size, slot_bytes),
-                                 dtype=torch.uint8)
+        mapped = torch.from_file(path, shared=True, size=_file_bytes(world_size, slot_bytes), dtype=torch.uint8)
         words = mapped[:header].view(torch.int64).numpy()
         self._flags = words[:: FLAG_STRIDE // 8]
         self._pids = words[1 :: FLAG_STRIDE // 8]
@@ -57,8 +55,9 @@ class SharedMemoryAllReduce:
         self._slots = mapped[header:].view(2, world_size, slot_bytes)
 
     @classmethod
-    def create(cls, model: torch.nn.Module, rank: int, world_size: int, local_world_size: int,
-               timeout_s: float) -> "SharedMemoryAllReduce | None":
+    def create(
+        cls, model: torch.nn.Module, rank: int, world_size: int, local_world_size: int, timeout_s: float
+    ) -> "SharedMemoryAllReduce | None":
         """Set up the shared buffer on every rank (a collective call); None where it cannot work."""
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         slot_bytes = min(grad_bytes, MAX_SLOT_BYTES)
@@ -115,11 +114,11 @@ class SharedMemoryAllReduce:
                 behind = [r for r in range(self.world_size) if self._flags[r] < generation]
                 dead = [r for r in behind if not _alive(int(self._pids[r]))]
                 if dead:  # no point waiting: let the launcher restart the group now
-                    raise RuntimeError(f"rank {self.rank}: rank(s) {dead} died before the gradient "
-                                       f"all-reduce")
+                    raise RuntimeError(f"rank {self.rank}: rank(s) {dead} died before the gradient all-reduce")
                 if now > deadline:
-                    raise TimeoutError(f"rank {self.rank} waited {self.timeout_s:g} s for rank(s) "
-                                       f"{behind} at the gradient all-reduce")
+                    raise TimeoutError(
+                        f"rank {self.rank} waited {self.timeout_s:g} s for rank(s) {behind} at the gradient all-reduce"
+                    )
 
 
 def shared_memory_hook(state: SharedMemoryAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -188,8 +187,10 @@ def _create_file(nbytes: int) -> str | None:
 def check_comm_hook(name: str, backend: str) -> None:
     """torch's bf16 hook runs only on nccl; the others on any backend."""
     if name == "bf16" and backend != "nccl":
-        raise ConfigError(f"distributed.comm_hook = 'bf16' needs nccl (CUDA GPUs) and this job runs on "
-                          f"{backend}; use distributed.comm_hook=fp16 or powersgd")
+        raise ConfigError(
+            f"distributed.comm_hook = 'bf16' needs nccl (CUDA GPUs) and this job runs on "
+            f"{backend}; use distributed.comm_hook=fp16 or powersgd"
+        )
 
 
 def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -> None:
@@ -204,8 +205,7 @@ def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -
     elif name == "powersgd":
         # Rank-1 approximation after 10 plain all-reduces (torch's recommended warm start), with
         # error feedback so that what compression drops is carried into the next step.
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                            start_powerSGD_iter=10)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
         raise ValueError(f"unknown comm hook {name!r}")
@@ -218,6 +218,7 @@ def ddp_exposed_comm(model: torch.nn.Module):
 
     This needs no comm hook, so DDP's C++ all-reduce keeps the fast path and its hook slot stays free.
     """
+
     def exposed_seconds() -> float | None:
         data = model._get_ddp_logging_data()
         comm = data.get("backward_comm_time")

@@ -37,10 +37,13 @@ def visible_gpus() -> list[Gpu]:
     try:
         child = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        raise EnvironmentProblem("CUDA is visible but listing the GPUs took over 300 s; check the driver "
-                                 "with nvidia-smi") from None
+        raise EnvironmentProblem(
+            "CUDA is visible but listing the GPUs took over 300 s; check the driver with nvidia-smi"
+        ) from None
     if child.returncode != 0:
         last = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EnvironmentProblem(f"CUDA is visible but a process could not use it ({last}); check the "
-                                 f"driver with nvidia-smi, or hide the GPUs with CUDA_VISIBLE_DEVICES=")
+        raise EnvironmentProblem(
+            f"CUDA is visible but a process could not use it ({last}); check the "
+            f"driver with nvidia-smi, or hide the GPUs with CUDA_VISIBLE_DEVICES="
+        )
     return [Gpu(g["name"], tuple(g["capability"])) for g in json.loads(child.stdout)]

@@ -14,16 +14,16 @@ import re
 import signal
 import socket
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from .config import DistributedConfig
 from .errors import ConfigError, EnvironmentProblem
-
 
 # Set by `dtrain run/launch` for the workers it starts (the value: the launcher's pid). Its workers
 # leave reporting errors to it, and die with it.
@@ -93,63 +93,81 @@ def in_worker_environment(environ: Mapping[str, str] = os.environ) -> bool:
 def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     """Read rank, world size and rendezvous address from torchrun, SLURM or Open MPI variables."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return _possible(DistEnv(
-            rank=_int(environ, "RANK"),
-            world_size=_int(environ, "WORLD_SIZE"),
-            local_rank=_int(environ, "LOCAL_RANK", 0),
-            local_world_size=_int(environ, "LOCAL_WORLD_SIZE", 1),
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(environ, "MASTER_PORT", 29500),
-            launcher="torchrun",
-        ), "RANK", "WORLD_SIZE", local_names=("LOCAL_RANK", "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
-            else None)
+        return _possible(
+            DistEnv(
+                rank=_int(environ, "RANK"),
+                world_size=_int(environ, "WORLD_SIZE"),
+                local_rank=_int(environ, "LOCAL_RANK", 0),
+                local_world_size=_int(environ, "LOCAL_WORLD_SIZE", 1),
+                master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_int(environ, "MASTER_PORT", 29500),
+                launcher="torchrun",
+            ),
+            "RANK",
+            "WORLD_SIZE",
+            local_names=("LOCAL_RANK", "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else None,
+        )
     # `srun` sets SLURM_STEP_ID for each task it starts; a batch script or salloc shell does not, so
     # a plain `dtrain run` there launches torchrun instead of waiting for peers that never come.
     if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS", 1) > 1:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         job_id = _int(environ, "SLURM_JOB_ID", 0)
-        return _possible(DistEnv(
-            rank=_int(environ, "SLURM_PROCID"),
-            world_size=_int(environ, "SLURM_NTASKS"),
-            local_rank=_int(environ, "SLURM_LOCALID", 0),
-            local_world_size=_slurm_tasks_on_node(environ),
-            master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist) or "127.0.0.1",
-            # A port derived from the job id lets two jobs share a node without colliding.
-            master_port=_int(environ, "MASTER_PORT", 15000 + job_id % 20000),
-            launcher="slurm",
-        ), "SLURM_PROCID", "SLURM_NTASKS", local_names=("SLURM_LOCALID", "the node's task count"))
+        return _possible(
+            DistEnv(
+                rank=_int(environ, "SLURM_PROCID"),
+                world_size=_int(environ, "SLURM_NTASKS"),
+                local_rank=_int(environ, "SLURM_LOCALID", 0),
+                local_world_size=_slurm_tasks_on_node(environ),
+                master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist) or "127.0.0.1",
+                # A port derived from the job id lets two jobs share a node without colliding.
+                master_port=_int(environ, "MASTER_PORT", 15000 + job_id % 20000),
+                launcher="slurm",
+            ),
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            local_names=("SLURM_LOCALID", "the node's task count"),
+        )
     if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
         world = _int(environ, "OMPI_COMM_WORLD_SIZE")
         local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
         if "MASTER_ADDR" not in environ and local_world != world:
             raise EnvironmentProblem(
                 "mpirun across nodes needs MASTER_ADDR (rank 0's host): add "
-                "`-x MASTER_ADDR=<host> -x MASTER_PORT=<port>` to the mpirun command")
-        return _possible(DistEnv(
-            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
-            world_size=world,
-            local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-            local_world_size=local_world,
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(environ, "MASTER_PORT", 29500),
-            launcher="mpi",
-        ), "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-            local_names=("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+                "`-x MASTER_ADDR=<host> -x MASTER_PORT=<port>` to the mpirun command"
+            )
+        return _possible(
+            DistEnv(
+                rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
+                world_size=world,
+                local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                local_world_size=local_world,
+                master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_int(environ, "MASTER_PORT", 29500),
+                launcher="mpi",
+            ),
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            local_names=("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        )
     return DistEnv()
 
 
-def _possible(env: DistEnv, rank_name: str, world_name: str,
-              local_names: tuple[str, str] | None = None) -> DistEnv:
+def _possible(env: DistEnv, rank_name: str, world_name: str, local_names: tuple[str, str] | None = None) -> DistEnv:
     """Refuse at once a place no group can have (it would otherwise wait for peers that never come
     until distributed.timeout_s)."""
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
-        raise EnvironmentProblem(f"{rank_name}={env.rank} with {world_name}={env.world_size} is impossible: a rank "
-                                 f"is 0..{world_name}-1; check what sets them (the launcher, the pod spec)")
-    if local_names and (not 0 <= env.local_rank < max(env.local_world_size, 1)
-                        or env.local_world_size > env.world_size):
+        raise EnvironmentProblem(
+            f"{rank_name}={env.rank} with {world_name}={env.world_size} is impossible: a rank "
+            f"is 0..{world_name}-1; check what sets them (the launcher, the pod spec)"
+        )
+    if local_names and (
+        not 0 <= env.local_rank < max(env.local_world_size, 1) or env.local_world_size > env.world_size
+    ):
         local_rank, local_world = local_names
-        raise EnvironmentProblem(f"{local_rank}={env.local_rank} with {local_world}={env.local_world_size} and "
-                                 f"{world_name}={env.world_size} is impossible; check what sets them")
+        raise EnvironmentProblem(
+            f"{local_rank}={env.local_rank} with {local_world}={env.local_world_size} and "
+            f"{world_name}={env.world_size} is impossible; check what sets them"
+        )
     if not 0 < env.master_port < 65536:
         raise EnvironmentProblem(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     return env
@@ -189,8 +207,7 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
     except ValueError:
         raise EnvironmentProblem(f"environment variable {name}={value!r} is not an integer") from None
     if not -(2**31) <= number < 2**31:  # ranks, sizes, ports and job ids all fit; torch's store takes int32
-        raise EnvironmentProblem(f"environment variable {name}={value} is beyond any job's numbers; check what "
-                                 f"sets it")
+        raise EnvironmentProblem(f"environment variable {name}={value} is beyond any job's numbers; check what sets it")
     return number
 
 
@@ -203,8 +220,10 @@ def resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if has_cuda else "gloo"
     if requested == "nccl" and not has_cuda:
-        raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
-                          "use distributed.backend=gloo (or auto)")
+        raise ConfigError(
+            "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
+            "use distributed.backend=gloo (or auto)"
+        )
     return requested
 
 
@@ -216,16 +235,20 @@ def check_device_capacity(backend: str, local_world_size: int, gpus: int) -> Non
     as it should be: it binds that one.
     """
     if backend == "nccl" and local_world_size > gpus:
-        raise ConfigError(f"--nproc {local_world_size} asks for more nccl processes than this "
-                          f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo")
+        raise ConfigError(
+            f"--nproc {local_world_size} asks for more nccl processes than this "
+            f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo"
+        )
 
 
 def device_index(local_rank: int, visible: int) -> int:
     """The GPU a worker binds among those it sees: its own when it sees one per local rank, the only
     one when it was given exactly one (srun --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""
     if visible < 1:
-        raise EnvironmentProblem("this worker sees no GPU (CUDA_VISIBLE_DEVICES hides them all?); give "
-                                 "every worker at least one GPU, or use distributed.backend=gloo")
+        raise EnvironmentProblem(
+            "this worker sees no GPU (CUDA_VISIBLE_DEVICES hides them all?); give "
+            "every worker at least one GPU, or use distributed.backend=gloo"
+        )
     return local_rank % visible
 
 
@@ -283,8 +306,13 @@ class Session:
         return self.env.rank == 0
 
 
-def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *, debug: bool = False,
-          diagnostics_dir: Path | None = None) -> Session:
+def start(
+    config: DistributedConfig,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    debug: bool = False,
+    diagnostics_dir: Path | None = None,
+) -> Session:
     """Join (or create) the process group for this worker and bind its device and threads.
 
     `debug` turns on torch's distributed debug mode (see `set_debug_level`). The flight recorder keeps
@@ -313,9 +341,14 @@ def start(config: DistributedConfig, environ: Mapping[str, str] = os.environ, *,
     init_method = config.init_method
     if init_method == "env://":
         # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
-        for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
-                            ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                            ("LOCAL_RANK", env.local_rank), ("LOCAL_WORLD_SIZE", env.local_world_size)):
+        for name, value in (
+            ("MASTER_ADDR", env.master_addr),
+            ("MASTER_PORT", env.master_port),
+            ("RANK", env.rank),
+            ("WORLD_SIZE", env.world_size),
+            ("LOCAL_RANK", env.local_rank),
+            ("LOCAL_WORLD_SIZE", env.local_world_size),
+        ):
             os.environ.setdefault(name, str(value))
     dist.init_process_group(
         backend=backend,
@@ -411,8 +444,11 @@ def enable_flight_recorder(diagnostics_dir: Path | None) -> None:
     `diagnostics_dir` (nccl), nccl's own timeout dump is written there too.
     """
     current = hasattr(torch._C, "_distributed_c10d") and hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
-    size, temp_file = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if current
-                       else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    size, temp_file = (
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+        if current
+        else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    )
     if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
         os.environ[size] = "2000"
     # nccl's own watchdog also dumps when a collective times out (distributed.timeout_s).
@@ -425,9 +461,15 @@ def enable_flight_recorder(diagnostics_dir: Path | None) -> None:
 
 def _env_from_group(env: DistEnv) -> DistEnv:
     # The user initialised the group themselves: trust it over the environment.
-    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
-                   local_world_size=env.local_world_size, master_addr=env.master_addr,
-                   master_port=env.master_port, launcher=env.launcher)
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        master_addr=env.master_addr,
+        master_port=env.master_port,
+        launcher=env.launcher,
+    )
 
 
 def hostname() -> str:

@@ -53,8 +53,10 @@ def environment_report() -> tuple[list[str], list[str]]:
     from .distributed import available_cores
 
     lines, problems = [], []
-    lines.append(f"dtrain {__version__}, torch {torch.__version__}, python {platform.python_version()}, "
-                 f"{platform.system()} {platform.machine()}")
+    lines.append(
+        f"dtrain {__version__}, torch {torch.__version__}, python {platform.python_version()}, "
+        f"{platform.system()} {platform.machine()}"
+    )
     backends = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
     lines.append("backends: " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in backends.items()))
     if torch.cuda.is_available():
@@ -64,21 +66,31 @@ def environment_report() -> tuple[list[str], list[str]]:
             props = torch.cuda.get_device_properties(i)
             # Per device, and native only: torch.cuda.is_bf16_supported() asks about the current
             # device and counts emulation (V100, T4) as support.
-            native = precision_problem("bf16", "cuda", props.name, (props.major, props.minor),
-                                       rocm=torch.version.hip is not None) is None
-            lines.append(f"  cuda:{i} {props.name}, sm_{props.major}{props.minor}, "
-                         f"{props.total_memory / 2**30:.0f} GiB, bf16 {'yes' if native else 'emulated only'}")
+            native = (
+                precision_problem(
+                    "bf16", "cuda", props.name, (props.major, props.minor), rocm=torch.version.hip is not None
+                )
+                is None
+            )
+            lines.append(
+                f"  cuda:{i} {props.name}, sm_{props.major}{props.minor}, "
+                f"{props.total_memory / 2**30:.0f} GiB, bf16 {'yes' if native else 'emulated only'}"
+            )
     else:
-        lines.append(f"CUDA: none visible ({'CPU build of torch' if torch.version.cuda is None else 'no GPU'}): "
-                     f"dtrain uses gloo on the CPU")
+        lines.append(
+            f"CUDA: none visible ({'CPU build of torch' if torch.version.cuda is None else 'no GPU'}): "
+            f"dtrain uses gloo on the CPU"
+        )
     lines.append(f"CPU: {available_cores()} core(s) for this process, intra-op threads {torch.get_num_threads()}")
     try:
         stats = os.statvfs("/dev/shm")
         free = stats.f_bavail * stats.f_frsize
         lines.append(f"/dev/shm: {free / 2**30:.1f} GiB free")
         if free < 512 * 2**20:
-            problems.append(f"/dev/shm has only {free / 2**20:.0f} MiB free: DataLoader workers and dtrain's "
-                            f"shared-memory all-reduce need room (docker: --shm-size=8g)")
+            problems.append(
+                f"/dev/shm has only {free / 2**20:.0f} MiB free: DataLoader workers and dtrain's "
+                f"shared-memory all-reduce need room (docker: --shm-size=8g)"
+            )
     except OSError:
         lines.append("/dev/shm: none (shared-memory all-reduce and DataLoader workers fall back)")
     interfaces = netaddr.interface_addresses()
@@ -88,8 +100,11 @@ def environment_report() -> tuple[list[str], list[str]]:
         resolved = socket.gethostbyname(host)
     except OSError:
         resolved = "nothing"
-    note = (" (loopback: fine on one machine; across machines dtrain takes the address on the route to "
-            "--rdzv-endpoint)") if resolved.startswith("127.") else ""
+    note = (
+        (" (loopback: fine on one machine; across machines dtrain takes the address on the route to --rdzv-endpoint)")
+        if resolved.startswith("127.")
+        else ""
+    )
     lines.append(f"hostname {host} resolves to {resolved}{note}")
 
     set_vars = [(k, os.environ[k]) for k in ENV_MEANINGS if k in os.environ]
@@ -110,11 +125,17 @@ def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bo
         if var in env:
             wanted = [name.strip() for name in env[var].split(",") if name.strip()]
             # NCCL accepts prefixes and ^exclusions; gloo wants exact names.
-            missing = [n for n in wanted if not n.startswith(("^", "=")) and
-                       not any(i == n or (var.startswith("NCCL") and i.startswith(n)) for i in interfaces)]
+            missing = [
+                n
+                for n in wanted
+                if not n.startswith(("^", "="))
+                and not any(i == n or (var.startswith("NCCL") and i.startswith(n)) for i in interfaces)
+            ]
             if missing:
-                problems.append(f"{var}={env[var]} names no interface here ({', '.join(missing)}); this machine "
-                                f"has {', '.join(interfaces)}")
+                problems.append(
+                    f"{var}={env[var]} names no interface here ({', '.join(missing)}); this machine "
+                    f"has {', '.join(interfaces)}"
+                )
     if "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit() and 0 < int(env["MASTER_PORT"]) < 65536):
         problems.append(f"MASTER_PORT={env['MASTER_PORT']} is not a TCP port (1-65535)")
     if ("RANK" in env) != ("WORLD_SIZE" in env):
@@ -125,8 +146,10 @@ def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bo
         if not str(exc).startswith("MASTER_PORT"):  # said above
             problems.append(f"{exc}: a worker would refuse to start")
     if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > cores:
-        problems.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} exceeds the {cores} core(s) this process "
-                        f"may use: processes will fight over cores")
+        problems.append(
+            f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} exceeds the {cores} core(s) this process "
+            f"may use: processes will fight over cores"
+        )
     if env.get("CUDA_VISIBLE_DEVICES") == "" and torch.version.cuda is not None:
         problems.append("CUDA_VISIBLE_DEVICES is empty: no GPU is visible to this process")
     if env.get("NCCL_IB_DISABLE") == "1" and backends["nccl"]:
@@ -187,8 +210,10 @@ def _sync(device) -> None:
 def bandwidth_table(rows: list[tuple[int, float]], world: int, backend: str, correct: bool) -> str:
     """The nccl-tests style table: algbw = bytes / time, busbw = algbw × 2(n−1)/n."""
     factor = 2 * (world - 1) / world
-    lines = [f"all-reduce, {world} processes, {backend}:",
-             f"{'size':>10} {'time':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    lines = [
+        f"all-reduce, {world} processes, {backend}:",
+        f"{'size':>10} {'time':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}",
+    ]
     best = 0.0
     for size, seconds in rows:
         algbw = size / seconds / 1e9
@@ -203,12 +228,19 @@ def verdict(busbw: float, latency_s: float, backend: str, correct: bool) -> str:
     if not correct:
         return "verdict: BROKEN — all-reduce results were wrong on some rank; check the network and drivers"
     if backend == "nccl":
-        kind = ("NVLink-class" if busbw > 100 else "PCIe or InfiniBand-class" if busbw > 10
-                else "TCP-class (slow for GPUs: check NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE, NCCL_DEBUG=INFO)")
+        kind = (
+            "NVLink-class"
+            if busbw > 100
+            else "PCIe or InfiniBand-class"
+            if busbw > 10
+            else "TCP-class (slow for GPUs: check NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE, NCCL_DEBUG=INFO)"
+        )
     else:
         kind = "shared-memory/loopback-class" if busbw > 2 else "TCP-class"
-    return (f"verdict: OK — results correct; peak bus bandwidth {busbw:.2f} GB/s ({kind}); "
-            f"small-message latency {_duration(latency_s)}")
+    return (
+        f"verdict: OK — results correct; peak bus bandwidth {busbw:.2f} GB/s ({kind}); "
+        f"small-message latency {_duration(latency_s)}"
+    )
 
 
 def _human(size: int) -> str:
@@ -262,11 +294,12 @@ def compute_report(nproc: int = 1) -> list[str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     measured = {d: matmul_tflops(device, d, threads) for d in ("fp32", "bf16")}
     where = f"{device}, {threads} thread(s) per process for {nproc} process(es)" if device == "cpu" else device
-    line = (f"matmul ({where}): fp32 {measured['fp32']:.3g} TFLOP/s, bf16 {measured['bf16']:.3g} TFLOP/s per "
-            f"process")
+    line = f"matmul ({where}): fp32 {measured['fp32']:.3g} TFLOP/s, bf16 {measured['bf16']:.3g} TFLOP/s per process"
     if device == "cpu":
-        line += (f"; for an MFU on this CPU pass monitor.peak_tflops={measured['fp32']:.3g} "
-                 f"(training.precision=bf16: {measured['bf16']:.3g})")
+        line += (
+            f"; for an MFU on this CPU pass monitor.peak_tflops={measured['fp32']:.3g} "
+            f"(training.precision=bf16: {measured['bf16']:.3g})"
+        )
     return [line]
 
 

@@ -9,7 +9,8 @@ eval sample. Sums stay on the device in float64 until the end: one host sync per
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -48,12 +49,16 @@ class EvalSums:
         if self.user_metrics is not None:
             returned = self.user_metrics(output, batch)
             if not isinstance(returned, Mapping):
-                raise DtrainError(f"eval_metrics returned {type(returned).__name__}; return a dict of names to "
-                                  f"numbers (each the batch's mean), e.g. {{\"top5\": 0.93}}")
+                raise DtrainError(
+                    f"eval_metrics returned {type(returned).__name__}; return a dict of names to "
+                    f'numbers (each the batch\'s mean), e.g. {{"top5": 0.93}}'
+                )
             for name, value in returned.items():
                 if not isinstance(value, (int, float, torch.Tensor)) or torch.as_tensor(value).numel() != 1:
-                    raise DtrainError(f"eval_metrics returned {name}={type(value).__name__}; return one number "
-                                      f"per name (the batch's mean)")
+                    raise DtrainError(
+                        f"eval_metrics returned {name}={type(value).__name__}; return one number "
+                        f"per name (the batch's mean)"
+                    )
                 self._add(f"user:{name}", torch.as_tensor(value) * samples)
 
     def result(self) -> dict[str, float]:
@@ -75,6 +80,6 @@ class EvalSums:
             result["eval_accuracy"] = totals["correct"] / samples
         for name, value in totals.items():
             if name.startswith("user:"):
-                key = name[len("user:"):]
+                key = name[len("user:") :]
                 result[key if key.startswith("eval_") else f"eval_{key}"] = value / samples
         return result

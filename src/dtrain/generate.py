@@ -12,12 +12,17 @@ from .config import load_config
 from .data import tokens
 from .errors import DtrainError
 
-
 MAX_TOKENS = 100_000  # a sample to read, not a corpus
 
 
-def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 50, seed: int = 0) -> str:
+def generate(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> str:
     """The prompt and its continuation, as text."""
     from safetensors.torch import load_model
 
@@ -30,11 +35,14 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
             raise DtrainError(f"{path} does not exist: RUN_DIR must be the run.dir of a finished run")
     config = load_config(config_file)
     if config.data.name != "tokens":
-        raise DtrainError(f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
-                          f"trained on token data (data.name=tokens)")
+        raise DtrainError(
+            f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
+            f"trained on token data (data.name=tokens)"
+        )
     if not 0 < temperature < float("inf") or not 1 <= max_new_tokens <= MAX_TOKENS or top_k < 0:
-        raise DtrainError(f"--temperature must be a number above 0, --tokens from 1 to {MAX_TOKENS:,} and --top-k at "
-                          f"least 0")
+        raise DtrainError(
+            f"--temperature must be a number above 0, --tokens from 1 to {MAX_TOKENS:,} and --top-k at least 0"
+        )
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
     meta = kept if kept is not None else tokens.read_meta(config.data.path)
     tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
@@ -43,15 +51,18 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
         raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
     try:
         load_model(model, str(weights))
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error types
-        raise DtrainError(f"{weights} does not fit model '{config.model.name}' as config.toml builds it ({exc})") from None
+    except Exception as exc:
+        raise DtrainError(
+            f"{weights} does not fit model '{config.model.name}' as config.toml builds it ({exc})"
+        ) from None
     model.eval()
     ids = tokenizer.encode(prompt)
     ids = ids if isinstance(ids, list) else ids.ids
     if not ids:
         ids = [meta["eot_token"]]  # an empty prompt: start as after a document
     generator = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k or None,
-                         generator=generator)
-    new = [i for i in out[0, len(ids):].tolist()]
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k or None, generator=generator
+    )
+    new = [i for i in out[0, len(ids) :].tolist()]
     return prompt + tokenizer.decode(new)

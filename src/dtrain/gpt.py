@@ -27,8 +27,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-                   for z in self.c_attn(x).split(c, dim=2))
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
@@ -61,8 +60,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     _no_split_modules = ["Block"]  # the unit of sharding (FSDP) and of activation checkpointing, as in HF
 
-    def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
-                 n_embd: int = 256, dropout: float = 0.0, bias: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 256,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 256,
+        dropout: float = 0.0,
+        bias: bool = False,
+    ):
         super().__init__()
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
@@ -107,11 +114,17 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * t
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Continue `idx` (batch, positions) by sampling `max_new_tokens` tokens."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1, :] / max(temperature, 1e-6)
+            logits = self(idx[:, -self.block_size :])[:, -1, :] / max(temperature, 1e-6)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

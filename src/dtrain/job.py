@@ -7,17 +7,18 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import checkpoint, data, devices, distributed, models, parallel, rundir
 from .amp import precision_problem
 from .checkpoint import RunDirLock
-from .data import tokens
 from .comm import check_comm_hook
 from .config import Config
+from .data import tokens
 from .errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
 from .failures import report
 from .trackers import check_installed
@@ -40,8 +41,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     # The devices the workers will bind: the first GPUs, or this CPU.
     targets = [("cuda", g.name, g.capability) for g in gpus[:local_world_size]] or [("cpu", "", (0, 0))]
     for device_type, name, capability in targets:
-        problem = precision_problem(config.training.precision, device_type, name, capability,
-                                    rocm=torch.version.hip is not None)
+        problem = precision_problem(
+            config.training.precision, device_type, name, capability, rocm=torch.version.hip is not None
+        )
         if problem:
             raise ConfigError(problem)
     if config.training.compile != "none":
@@ -67,8 +69,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
 
 def run(config: Config) -> dict[str, Any]:
     """Train the job in this process, as one worker of however many the environment says."""
-    with distributed.session(config.distributed, debug=config.monitor.debug,
-                             diagnostics_dir=Path(config.run.dir) / "diagnostics") as session:
+    with distributed.session(
+        config.distributed, debug=config.monitor.debug, diagnostics_dir=Path(config.run.dir) / "diagnostics"
+    ) as session:
         if config.data.download and session.env.local_rank == 0:
             data.prepare(config)
         distributed.barrier()
@@ -133,7 +136,7 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
             # and rank 0, reaching the same error a moment later, would be stopped before saying it.
             time.sleep(2.0)
         return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - a crash of any kind is reported, then exits 1
+    except Exception as exc:
         report(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
         return 1
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from . import distributed, netaddr
 from .errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 
-
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
 
 
@@ -49,18 +48,24 @@ class LaunchSpec:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1; got {self.nproc}")
         parts = self.nnodes.split(":")
-        if not all(p.isdigit() and int(p) >= 1 for p in parts) or len(parts) > 2 or (
-                len(parts) == 2 and int(parts[0]) > int(parts[1])):
+        if (
+            not all(p.isdigit() and int(p) >= 1 for p in parts)
+            or len(parts) > 2
+            or (len(parts) == 2 and int(parts[0]) > int(parts[1]))
+        ):
             raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
         if not 1 <= self.rdzv_timeout <= MAX_RDZV_TIMEOUT:  # torchrun takes whole seconds, at least 1
-            raise ConfigError(f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}")
+            raise ConfigError(
+                f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}"
+            )
         if not 0 <= self.max_restarts <= 10_000:
             raise ConfigError(f"--max-restarts must be from 0 to 10000; got {self.max_restarts}")
         if self.nproc > 4096:  # processes per node: no machine runs more
             raise ConfigError(f"--nproc must be at most 4096; got {self.nproc}")
         if self.multi_node and not self.rdzv_endpoint:
-            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first "
-                              "node that every node can reach)")
+            raise ConfigError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that every node can reach)"
+            )
         if self.rdzv_endpoint and not _is_host_port(self.rdzv_endpoint):
             raise ConfigError(f"--rdzv-endpoint must be HOST:PORT; got '{self.rdzv_endpoint}'")
         if self.node_rank is not None and not 0 <= self.node_rank < self.min_nodes:
@@ -72,20 +77,33 @@ def _is_host_port(value: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
-def torchrun_args(spec: LaunchSpec, entry: list[str], local_addr: str | None = None,
-                  is_host: bool = False) -> list[str]:
+def torchrun_args(
+    spec: LaunchSpec, entry: list[str], local_addr: str | None = None, is_host: bool = False
+) -> list[str]:
     """The torchrun command line (without 'torchrun') for `spec`, running `entry` in each worker."""
-    args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}",
-            f"--shutdown-timeout={int(spec.shutdown_grace_s)}"]
+    args = [
+        f"--nproc-per-node={spec.nproc}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--shutdown-timeout={int(spec.shutdown_grace_s)}",
+    ]
     if not spec.multi_node and not spec.rdzv_endpoint:
         return args + ["--standalone"] + entry  # a private rendezvous on a free local port
     host, _, port = spec.rdzv_endpoint.rpartition(":")
     if spec.node_rank is not None:
-        args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=static", f"--node-rank={spec.node_rank}",
-                 f"--master-addr={host}", f"--master-port={port}"]
+        args += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=static",
+            f"--node-rank={spec.node_rank}",
+            f"--master-addr={host}",
+            f"--master-port={port}",
+        ]
     else:
-        args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+        args += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
         # is_host: this node serves the store at the endpoint.
         args.append(f"--rdzv-conf=join_timeout={int(spec.rdzv_timeout)}" + (",is_host=1" if is_host else ""))
     if local_addr:
@@ -97,8 +115,9 @@ class _Wait:
     """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line. `server`
     is who serves the endpoint; `knobs` what sets the address and the wait."""
 
-    def __init__(self, endpoint: str, timeout: float, server: str = "the first node",
-                 knobs: str = "--rdzv-timeout sets the wait"):
+    def __init__(
+        self, endpoint: str, timeout: float, server: str = "the first node", knobs: str = "--rdzv-timeout sets the wait"
+    ):
         self.endpoint, self.timeout, self.server, self.knobs = endpoint, timeout, server, knobs
         self.deadline = time.monotonic() + timeout
         self._said = False
@@ -107,12 +126,17 @@ class _Wait:
         """Say so (the first time) and sleep a little; or give up, past the deadline."""
         if time.monotonic() >= self.deadline:
             start = "the job on the node" if self.server == "the first node" else self.server
-            raise EnvironmentProblem(f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
-                                     f"{start} at that address, or check the address, the port and the firewall "
-                                     f"({self.knobs})")
+            raise EnvironmentProblem(
+                f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
+                f"{start} at that address, or check the address, the port and the firewall "
+                f"({self.knobs})"
+            )
         if not self._said:
-            print(f"dtrain: waiting for the rendezvous at {self.endpoint} ({self.server} serves it) ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"dtrain: waiting for the rendezvous at {self.endpoint} ({self.server} serves it) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             self._said = True
         time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
 
@@ -130,14 +154,18 @@ def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool
         except socket.gaierror as exc:
             wait.again(f"{host} does not resolve: {exc.strerror}")
         except OSError as exc:
-            raise EnvironmentProblem(f"--rdzv-endpoint {spec.rdzv_endpoint}: no route to {host} from this node "
-                                     f"({exc.strerror or exc}); check the address and this node's network") from None
+            raise EnvironmentProblem(
+                f"--rdzv-endpoint {spec.rdzv_endpoint}: no route to {host} from this node "
+                f"({exc.strerror or exc}); check the address and this node's network"
+            ) from None
     if spec.local_addr:
         try:
             is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
         except OSError as exc:
-            raise EnvironmentProblem(f"--local-addr {spec.local_addr} does not resolve ({exc.strerror or exc}); give "
-                                     f"this node's address as the other nodes reach it") from None
+            raise EnvironmentProblem(
+                f"--local-addr {spec.local_addr} does not resolve ({exc.strerror or exc}); give "
+                f"this node's address as the other nodes reach it"
+            ) from None
         local = spec.local_addr
     return local, is_host
 
@@ -159,8 +187,14 @@ def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
     """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
     waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
     if env.world_size > 1 and env.rank != 0:
-        wait_for_endpoint(_Wait(f"{env.master_addr}:{env.master_port}", timeout, server="rank 0",
-                                knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait"))
+        wait_for_endpoint(
+            _Wait(
+                f"{env.master_addr}:{env.master_port}",
+                timeout,
+                server="rank 0",
+                knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
+            )
+        )
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
@@ -198,14 +232,21 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
         return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     except RendezvousTimeoutError:
-        print(f"dtrain: error: not enough nodes joined the rendezvous at {spec.rdzv_endpoint} within "
-              f"{spec.rdzv_timeout:g} s (--nnodes {spec.nnodes}): start the job on the other nodes with the same "
-              f"--rdzv-endpoint, or raise --rdzv-timeout", file=sys.stderr, flush=True)
+        print(
+            f"dtrain: error: not enough nodes joined the rendezvous at {spec.rdzv_endpoint} within "
+            f"{spec.rdzv_timeout:g} s (--nnodes {spec.nnodes}): start the job on the other nodes with the same "
+            f"--rdzv-endpoint, or raise --rdzv-timeout",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_USAGE
     except RendezvousError as exc:
-        print(f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
-              f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
-              file=sys.stderr, flush=True)
+        print(
+            f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
+            f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
 
@@ -223,8 +264,11 @@ def _report_failure(exc) -> int:
     else:
         what = f"exited with status {failure.exitcode}"
     detail = failure.message if failure.message and "pytorch.org/docs" not in failure.message else ""
-    print(f"dtrain: error: rank {rank} (local rank {failure.local_rank}) {what}"
-          + (f":\n{detail}" if detail else ""), file=sys.stderr, flush=True)
+    print(
+        f"dtrain: error: rank {rank} (local rank {failure.local_rank}) {what}" + (f":\n{detail}" if detail else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return 1
 
 

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,10 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     against (batch, positions) targets — a language model — every position counts (-100: left out)."""
     logits = logits_of(output)
     if logits is None:
-        raise DtrainError(f"the model returned {describe(output)}, and the default loss (cross-entropy) needs "
-                          f"class scores; return logits, or pass Trainer(loss_fn=...) or step_fn=...")
+        raise DtrainError(
+            f"the model returned {describe(output)}, and the default loss (cross-entropy) needs "
+            f"class scores; return logits, or pass Trainer(loss_fn=...) or step_fn=..."
+        )
     if logits.dim() > 2 and tuple(target.shape) == tuple(logits.shape[:-1]):
         logits, target = logits.flatten(0, -2), target.flatten()
     return F.cross_entropy(logits, target)
@@ -54,9 +56,11 @@ def loss_in(output: Any) -> torch.Tensor:
     found = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(found, torch.Tensor):
         return found
-    raise DtrainError(f"the model's output holds no loss ({describe(output)}); put the targets in the batch "
-                      f"as 'labels' (a Hugging Face model then returns .loss), or pass Trainer(loss_fn=...) or "
-                      f"Trainer(step_fn=...)")
+    raise DtrainError(
+        f"the model's output holds no loss ({describe(output)}); put the targets in the batch "
+        f"as 'labels' (a Hugging Face model then returns .loss), or pass Trainer(loss_fn=...) or "
+        f"Trainer(step_fn=...)"
+    )
 
 
 def describe(output: Any) -> str:
@@ -99,11 +103,12 @@ class LossOf:
 
 
 def _one_number(loss: Any, source: str) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad and torch.is_grad_enabled():
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or (not loss.requires_grad and torch.is_grad_enabled()):
         if not isinstance(loss, torch.Tensor):
-            raise DtrainError(f"{source} returned a {type(loss).__name__}, not a tensor; return the batch's mean "
-                              f"loss as a scalar tensor computed from the model's output")
+            raise DtrainError(
+                f"{source} returned a {type(loss).__name__}, not a tensor; return the batch's mean "
+                f"loss as a scalar tensor computed from the model's output"
+            )
         why = "that does not require grad (computed without the model?)" if loss.numel() == 1 else "not one number"
-        raise DtrainError(f"{source} returned {describe(loss)}, {why}; return the batch's mean loss as a scalar "
-                          f"tensor")
+        raise DtrainError(f"{source} returned {describe(loss)}, {why}; return the batch's mean loss as a scalar tensor")
     return loss.reshape(())

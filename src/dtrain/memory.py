@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dtrain report` reads records without it
     import torch
@@ -60,6 +61,7 @@ def peak_bytes(device: torch.device) -> tuple[int, str]:
 
 def describe(record: dict, source: str | None = None) -> str:
     """The console line for a record holding the per-rank FIELDS."""
+
     def size(n: float) -> str:
         for unit in ("B", "KiB", "MiB", "GiB"):
             if n < 1024 or unit == "GiB":
@@ -69,6 +71,8 @@ def describe(record: dict, source: str | None = None) -> str:
 
     most = {name: max(record[name]) for name in FIELDS}
     ranks = len(record["param_bytes"])
-    return (f"memory per rank{' (the most any of ' + str(ranks) + ' holds)' if ranks > 1 else ''}: parameters "
-            f"{size(most['param_bytes'])}, gradients {size(most['grad_bytes'])}, optimizer state "
-            f"{size(most['optimizer_bytes'])}; peak {size(most['peak_bytes'])}" + (f" ({source})" if source else ""))
+    return (
+        f"memory per rank{' (the most any of ' + str(ranks) + ' holds)' if ranks > 1 else ''}: parameters "
+        f"{size(most['param_bytes'])}, gradients {size(most['grad_bytes'])}, optimizer state "
+        f"{size(most['optimizer_bytes'])}; peak {size(most['peak_bytes'])}" + (f" ({source})" if source else "")
+    )

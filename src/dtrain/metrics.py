@@ -11,7 +11,8 @@ straggle. That gather is the only place the host waits for the device.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,17 @@ from .steptime import PHASES, StepTimer
 
 
 class StepMetrics:
-    def __init__(self, device: torch.device, world_size: int, timer: StepTimer, hosts: list[str],
-                 flops_per_sample: float | None, peak_flops: float | None, straggler_margin: float,
-                 count_skips: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        world_size: int,
+        timer: StepTimer,
+        hosts: list[str],
+        flops_per_sample: float | None,
+        peak_flops: float | None,
+        straggler_margin: float,
+        count_skips: bool = False,
+    ):
         self.loss_sum = torch.zeros((), device=device)  # added to every step, read only here
         self.norm_sum = torch.zeros((), device=device)  # finite norms only: a skipped fp16 step's is inf
         self.norm_count = torch.zeros((), device=device)
@@ -97,10 +106,17 @@ class StepMetrics:
         split = [phases[p] for p in PHASES] if phases else []
         measured = self.held is not None and self.peak is not None
         memory = [*self.held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
-        local = torch.tensor([0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory,
-                              *split], dtype=torch.float64, device=self.device)
-        for column, total in ((_LOSS, self.loss_sum), (_NORM, self.norm_sum), (_NORMS, self.norm_count),
-                              (_SKIPPED, self.skipped_sum)):
+        local = torch.tensor(
+            [0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory, *split],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        for column, total in (
+            (_LOSS, self.loss_sum),
+            (_NORM, self.norm_sum),
+            (_NORMS, self.norm_count),
+            (_SKIPPED, self.skipped_sum),
+        ):
             local[column] += total.double()
             total.zero_()
         rows = _gather(local, self.world_size).tolist()  # the one host sync of the window
@@ -142,8 +158,11 @@ class StepMetrics:
         slow = stragglers(busy, self.margin) if self._windows > 0 else []
         out: dict[str, Any] = {
             "step_ms": 1000 * mean(_OWN_SECONDS) / max(steps, 1),
-            **{f"{p}_ms": mean(column) for p, column in phase.items()
-               if not (p == "comm" and self.timer.comm_inside_compute)},  # counted as compute, not 0
+            **{
+                f"{p}_ms": mean(column)
+                for p, column in phase.items()
+                if not (p == "comm" and self.timer.comm_inside_compute)
+            },  # counted as compute, not 0
             "rank_busy_ms": busy,
         }
         if slow:

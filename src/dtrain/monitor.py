@@ -38,9 +38,17 @@ TB_TAGS = {
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int = 0,
-                 progress_bar: bool | None = None, purge_after: int | None = None,
-                 trackers: list[str] = ("tensorboard",), config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        total_steps: int,
+        initial_step: int = 0,
+        progress_bar: bool | None = None,
+        purge_after: int | None = None,
+        trackers: list[str] = ("tensorboard",),
+        config: dict[str, Any] | None = None,
+    ):
         self.enabled = enabled
         self._stragglers: tuple = ()
         self._bar = None
@@ -53,18 +61,19 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
 
             # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                         purge_step=None if purge_after is None else purge_after + 1)
-        self._trackers = open_trackers([t for t in trackers if t != "tensorboard"], run_dir, config or {},
-                                       resuming=purge_after is not None)
+            self._writer = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=None if purge_after is None else purge_after + 1
+            )
+        self._trackers = open_trackers(
+            [t for t in trackers if t != "tensorboard"], run_dir, config or {}, resuming=purge_after is not None
+        )
         self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
-                             file=sys.stderr)
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def advance(self) -> None:
         """One optimizer step done (cheap: tqdm redraws at most every 0.1 s)."""
@@ -90,9 +99,11 @@ class Monitor:
         if slow != self._stragglers and "loss" in record:
             self._stragglers = slow
             for s in record.get("stragglers", ()):
-                self.info(f"straggler: rank {s['rank']} on {s['host']} is {s['slower']:.0%} slower than the "
-                          f"median rank (busy {record['rank_busy_ms'][s['rank']]:.1f} ms per step, "
-                          f"waiting excluded)")
+                self.info(
+                    f"straggler: rank {s['rank']} on {s['host']} is {s['slower']:.0%} slower than the "
+                    f"median rank (busy {record['rank_busy_ms'][s['rank']]:.1f} ms per step, "
+                    f"waiting excluded)"
+                )
 
     def _tensorboard(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -101,7 +112,7 @@ class Monitor:
                 self._writer.add_scalar(tag, record[key], step)
         for key, value in record.items():  # the user's eval_metrics
             if key.startswith("eval_") and key not in TB_TAGS and key != "eval_samples" and isinstance(value, float):
-                self._writer.add_scalar(f"eval/{key[len('eval_'):]}", value, step)
+                self._writer.add_scalar(f"eval/{key[len('eval_') :]}", value, step)
         for name in memory_fields:  # once, at the first log step
             for rank, size in enumerate(record.get(name, [])):
                 self._writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
@@ -154,7 +165,8 @@ def format_record(record: dict[str, Any]) -> str:
             if key == "step_ms":  # where the step went
                 parts[-1] += " = " + " + ".join(
                     f"{name} {record[f'{name}_ms']:.1f}" if f"{name}_ms" in record else f"{name} not measured"
-                    for name in ("data", "compute", "comm", "optimizer"))
+                    for name in ("data", "compute", "comm", "optimizer")
+                )
     return " | ".join(parts)
 
 

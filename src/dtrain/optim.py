@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -12,15 +12,22 @@ from torch.optim.lr_scheduler import LambdaLR
 from .config import OptimizerConfig, SchedulerConfig
 
 
-def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter],
-                    device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: OptimizerConfig, params: Iterable[torch.nn.Parameter], device: torch.device = torch.device("cpu")
+) -> torch.optim.Optimizer:
     options = implementation_options(config.name, device)
     if config.name == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                               nesterov=config.nesterov,
-                               weight_decay=config.weight_decay, **options)
-    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
-                             weight_decay=config.weight_decay, **options)
+        return torch.optim.SGD(
+            params,
+            lr=config.lr,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            **options,
+        )
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay, **options
+    )
 
 
 def implementation_options(name: str, device: torch.device) -> dict[str, bool]:

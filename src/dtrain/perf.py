@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,16 +76,21 @@ def flops_per_sample(module: nn.Module, batch: Any, samples: int, loss_of: Calla
 
     try:
         # Parameters and buffers become meta tensors in the copy: nothing the size of the model is copied.
-        memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-                for t in (*module.parameters(), *module.buffers())}
+        memo = {
+            id(t): (
+                nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else torch.empty_like(t, device="meta")
+            )
+            for t in (*module.parameters(), *module.buffers())
+        }
         meta = copy.deepcopy(module, memo)
         meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
         with FlopCounterMode(display=False) as counter:
             loss, _, _ = loss_of(meta, meta_batch)
             loss.backward()
         return counter.get_total_flops() / max(samples, 1)
-    except Exception:  # noqa: BLE001 - an op without a meta kernel: no FLOPs, no MFU, training goes on
+    except Exception:
         return None
 
 

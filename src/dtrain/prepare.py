@@ -22,8 +22,8 @@ import sys
 import sysconfig
 import tempfile
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -40,8 +40,7 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "__pycache__",
 def stdlib_files() -> list[Path]:
     """The running Python's standard-library source: real text nobody here wrote, on every machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py")
-                  if not STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
+    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
 
 
 def find_files(sources: Sequence[str]) -> list[Path]:
@@ -56,9 +55,13 @@ def find_files(sources: Sequence[str]) -> list[Path]:
             if match.is_dir():
                 # Token folders an earlier prepare wrote (maybe into this very tree) are output, not text.
                 prepared = [m.parent for m in match.rglob("meta.json") if _is_token_meta(m)]
-                found.update(p for p in match.rglob("*") if p.is_file()
-                             and not any(part.startswith(".") for part in p.relative_to(match).parts)
-                             and not any(p.is_relative_to(folder) for folder in prepared))
+                found.update(
+                    p
+                    for p in match.rglob("*")
+                    if p.is_file()
+                    and not any(part.startswith(".") for part in p.relative_to(match).parts)
+                    and not any(p.is_relative_to(folder) for folder in prepared)
+                )
             elif match.is_file():
                 found.add(match)
     return sorted(found)
@@ -114,8 +117,13 @@ def _train_bpe(texts: list[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -138,14 +146,23 @@ def _encode(text: str) -> np.ndarray:
     return np.asarray(ids if isinstance(ids, list) else ids.ids, dtype=np.int64)
 
 
-def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab_size: int = 4096,
-                 val_fraction: float = 0.05, workers: int = 0, python_stdlib: bool = False,
-                 dtype: str = "auto") -> dict:
+def prepare_text(
+    sources: Sequence[str],
+    out: str,
+    tokenizer: str = "bpe",
+    vocab_size: int = 4096,
+    val_fraction: float = 0.05,
+    workers: int = 0,
+    python_stdlib: bool = False,
+    dtype: str = "auto",
+) -> dict:
     """Tokenize `sources` into `out`; returns the meta.json written."""
     out_dir = Path(out)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise DtrainError(f"--out {out_dir} already exists and is not an empty folder; choose a new one (or "
-                          f"delete it to prepare again)")
+        raise DtrainError(
+            f"--out {out_dir} already exists and is not an empty folder; choose a new one (or "
+            f"delete it to prepare again)"
+        )
     if not 0 <= val_fraction < 1:
         raise DtrainError(f"--val-fraction must be in [0, 1); got {val_fraction:g}")
     if workers < 0:
@@ -155,8 +172,10 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
         files = sorted(set(files) | set(find_files(sources)))
     documents = list(read_documents(files))
     if not documents:
-        raise DtrainError(f"no text in {', '.join(sources) or 'the standard library'} ({len(files)} files, none of "
-                          f"them non-empty UTF-8 text); give files or folders of text")
+        raise DtrainError(
+            f"no text in {', '.join(sources) or 'the standard library'} ({len(files)} files, none of "
+            f"them non-empty UTF-8 text); give files or folders of text"
+        )
     val = [d for d in documents if held_out(d[0], val_fraction)]
     train = [d for d in documents if not held_out(d[0], val_fraction)]
     if val_fraction > 0 and not val and len(documents) > 1:
@@ -169,17 +188,20 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
     else:
         if tokenizer == "bpe":
             if vocab_size < 257 or vocab_size > 2**31:
-                raise DtrainError(f"--vocab-size must be from 257 (the 256 bytes and end-of-text) to 2^31; got "
-                                  f"{vocab_size}")
+                raise DtrainError(
+                    f"--vocab-size must be from 257 (the 256 bytes and end-of-text) to 2^31; got {vocab_size}"
+                )
             tok = _train_bpe([text for _, text in train], vocab_size)
         else:
             from tokenizers import Tokenizer
 
             try:
                 tok = Tokenizer.from_file(tokenizer)
-            except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception type
-                raise DtrainError(f"--tokenizer {tokenizer}: not a tokenizer.json ({exc}); give a Hugging Face "
-                                  f"tokenizers file, bpe or bytes") from None
+            except Exception as exc:
+                raise DtrainError(
+                    f"--tokenizer {tokenizer}: not a tokenizer.json ({exc}); give a Hugging Face "
+                    f"tokenizers file, bpe or bytes"
+                ) from None
         eot = tok.token_to_id(EOT)
         if eot is None:
             tok.add_special_tokens([EOT])
@@ -190,8 +212,10 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
     if limit is None:
         raise DtrainError(f"--dtype must be auto, uint16 or uint32; got {dtype}")
     if vocab > limit:
-        raise DtrainError(f"a vocabulary of {vocab} tokens does not fit in {chosen} (at most {limit}); use "
-                          f"--dtype uint32 or a smaller --vocab-size")
+        raise DtrainError(
+            f"a vocabulary of {vocab} tokens does not fit in {chosen} (at most {limit}); use "
+            f"--dtype uint32 or a smaller --vocab-size"
+        )
 
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -204,10 +228,22 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
         workers = workers or min(4, os.cpu_count() or 1)
         for name, docs in (("train", train), ("val", val)):
             splits[name] = _write_split(staging, name, docs, spec, eot, np.dtype(chosen), workers)
-        meta = {"format": FORMAT, "version": 1, "dtype": chosen, "vocab_size": vocab, "eot_token": eot,
-                "tokenizer": tokenizer_file, "splits": splits,
-                "source": {"python_stdlib": python_stdlib, "paths": list(sources), "files": len(files),
-                           "documents": len(documents), "skipped": len(files) - len(documents)}}
+        meta = {
+            "format": FORMAT,
+            "version": 1,
+            "dtype": chosen,
+            "vocab_size": vocab,
+            "eot_token": eot,
+            "tokenizer": tokenizer_file,
+            "splits": splits,
+            "source": {
+                "python_stdlib": python_stdlib,
+                "paths": list(sources),
+                "files": len(files),
+                "documents": len(documents),
+                "skipped": len(files) - len(documents),
+            },
+        }
         if tokenizer_file != "bytes":
             (staging / tokenizer_file).write_text(spec, encoding="utf-8")
         (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
@@ -216,16 +252,18 @@ def prepare_text(sources: Sequence[str], out: str, tokenizer: str = "bpe", vocab
                 out_dir.rmdir()  # empty (checked above)
             os.replace(staging, out_dir)
         except OSError:  # another prepare filled --out meanwhile: its output stays, this one goes
-            raise DtrainError(f"--out {out_dir} was filled by another process while this one prepared; its "
-                              f"output is left as it is") from None
+            raise DtrainError(
+                f"--out {out_dir} was filled by another process while this one prepared; its output is left as it is"
+            ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return meta
 
 
-def _write_split(folder: Path, name: str, docs: list[tuple[str, str]], spec: str, eot: int, dtype: np.dtype,
-                 workers: int) -> dict:
+def _write_split(
+    folder: Path, name: str, docs: list[tuple[str, str]], spec: str, eot: int, dtype: np.dtype, workers: int
+) -> dict:
     from tqdm import tqdm
 
     files: list[str] = []
@@ -244,11 +282,15 @@ def _write_split(folder: Path, name: str, docs: list[tuple[str, str]], spec: str
 
     texts = [text for _, text in docs]
     context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=(spec,)) if workers > 1 and len(texts) > 1 \
-            else _InProcess(spec) as pool:
+    with (
+        context.Pool(workers, initializer=_init_worker, initargs=(spec,))
+        if workers > 1 and len(texts) > 1
+        else _InProcess(spec) as pool
+    ):
         encoded = pool.imap(_encode, texts, chunksize=8)  # imap keeps the order: the same input, the same bytes
-        for ids in tqdm(encoded, total=len(texts), desc=f"tokenizing {name}", unit="doc", disable=None,
-                        file=sys.stderr):
+        for ids in tqdm(
+            encoded, total=len(texts), desc=f"tokenizing {name}", unit="doc", disable=None, file=sys.stderr
+        ):
             piece = np.append(ids, eot)
             shard.append(piece)
             in_shard += len(piece)

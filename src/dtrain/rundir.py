@@ -15,8 +15,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from .errors import DtrainError
 
@@ -100,8 +100,10 @@ def _temporary(name: str) -> bool:
 
 def later_attempt(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this is a restart of a run that already started (torchrun's restart, SLURM's requeue)."""
-    return any(environ.get(name, "0").strip() not in ("", "0")
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(
+        environ.get(name, "0").strip() not in ("", "0")
+        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
 
 
 def yours(path: Path) -> str:
@@ -122,13 +124,17 @@ def check_contents(run_dir: Path, allow_other_files: bool) -> None:
         check = OUTPUTS.get(name, _lock_file if name == LOCK else None)
         problem = check(path) if check else None
         if problem:
-            raise DtrainError(f"run.dir {run_dir}: {name} is where dtrain writes its {name}, and it {problem} "
-                              f"({yours(path)}); move it, or choose another run.dir")
+            raise DtrainError(
+                f"run.dir {run_dir}: {name} is where dtrain writes its {name}, and it {problem} "
+                f"({yours(path)}); move it, or choose another run.dir"
+            )
     others = [n for n in names if n not in OUTPUTS and n != LOCK and not _temporary(n)]
     if others and not allow_other_files:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DtrainError(f"run.dir {run_dir} holds files dtrain did not write ({shown}); choose an empty or "
-                          f"new run.dir, or set run.allow_other_files=true to write beside them")
+        raise DtrainError(
+            f"run.dir {run_dir} holds files dtrain did not write ({shown}); choose an empty or "
+            f"new run.dir, or set run.allow_other_files=true to write beside them"
+        )
 
 
 def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bool) -> list[Path]:
@@ -140,9 +146,11 @@ def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bo
         return []
     earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in KEPT and _holds_something(p)]
     if earlier and not (overwrite or again):
-        raise DtrainError(f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
-                          f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
-                          f"to replace them")
+        raise DtrainError(
+            f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
+            f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
+            f"to replace them"
+        )
     return earlier
 
 
@@ -168,8 +176,10 @@ def check_room(run_dir: Path, needed: int, what: str) -> None:
         return
     free = stats.f_bavail * stats.f_frsize
     if free < needed:
-        raise DtrainError(f"run.dir {run_dir} has {free:,} bytes free and {what} needs {needed:,}; make room or "
-                          f"choose a run.dir on a bigger disk")
+        raise DtrainError(
+            f"run.dir {run_dir} has {free:,} bytes free and {what} needs {needed:,}; make room or "
+            f"choose a run.dir on a bigger disk"
+        )
 
 
 def check_config_file_is_ours(run_dir: Path, reading: Path | None = None) -> None:
@@ -179,11 +189,15 @@ def check_config_file_is_ours(run_dir: Path, reading: Path | None = None) -> Non
     if not target.exists():
         return
     if reading is not None and Path(reading).exists() and os.path.samefile(target, reading):
-        raise DtrainError(f"run.dir = '{run_dir}' would write the run's config.toml over {reading}, the config "
-                          f"being read; choose another run.dir (e.g. run.dir=runs/{Path(reading).stem})")
+        raise DtrainError(
+            f"run.dir = '{run_dir}' would write the run's config.toml over {reading}, the config "
+            f"being read; choose another run.dir (e.g. run.dir=runs/{Path(reading).stem})"
+        )
     if not _written_by_dtrain(target):
-        raise DtrainError(f"{target} is not a config dtrain wrote (a file of yours?) and a run writes its "
-                          f"config.toml there; choose another run.dir, or move the file")
+        raise DtrainError(
+            f"{target} is not a config dtrain wrote (a file of yours?) and a run writes its "
+            f"config.toml there; choose another run.dir, or move the file"
+        )
 
 
 def _written_by_dtrain(path: Path) -> bool:
@@ -210,17 +224,23 @@ def check_usable(run_dir: Path) -> None:
             raise DtrainError(f"run.dir {run_dir} is a file, not a folder; choose another run.dir")
         existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
     except (OSError, RuntimeError) as exc:  # a symlink loop, a path too long
-        raise DtrainError(f"run.dir {run_dir} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
-                          f"choose another run.dir") from None
+        raise DtrainError(
+            f"run.dir {run_dir} cannot be used ({getattr(exc, 'strerror', None) or exc}); choose another run.dir"
+        ) from None
     resolved = run_dir.absolute().resolve()
     if resolved == Path("/") or resolved == Path.home().resolve():
-        raise DtrainError(f"run.dir {run_dir} is {'the root folder' if resolved == Path('/') else 'your home folder'}; "
-                          f"give the run a folder of its own, e.g. run.dir=runs/first")
+        raise DtrainError(
+            f"run.dir {run_dir} is {'the root folder' if resolved == Path('/') else 'your home folder'}; "
+            f"give the run a folder of its own, e.g. run.dir=runs/first"
+        )
     # os.access, not the mode bits: it also answers for root and for read-only mounts.
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise DtrainError(f"run.dir {run_dir} cannot be written ({existing} is not a writable folder); "
-                          f"choose another run.dir")
+        raise DtrainError(
+            f"run.dir {run_dir} cannot be written ({existing} is not a writable folder); choose another run.dir"
+        )
     weights = run_dir / "model.safetensors"
     if weights.exists() and not weights.is_file():
-        raise DtrainError(f"{weights} is not a file (a folder?), and the run writes its final weights there; "
-                          f"move it or choose another run.dir")
+        raise DtrainError(
+            f"{weights} is not a file (a folder?), and the run writes its final weights there; "
+            f"move it or choose another run.dir"
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .job import as_worker
 

@@ -17,8 +17,8 @@ step, taken out of the forward+backward time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -29,7 +29,7 @@ class Progress:
     """What this rank is doing right now, for the hang watchdog: updated at every mark (a few
     attribute writes), read by the watchdog thread."""
 
-    __slots__ = ("step", "phase", "beat")
+    __slots__ = ("beat", "phase", "step")
 
     def __init__(self):
         self.step = 0
@@ -98,8 +98,7 @@ class StepTimer:
         if self.cuda:
             self._window.pending.append((start, ready, backward, done, self._last_launch, self._sync_s))
         else:
-            self._add(ready - start, backward - ready, self._comm_seconds(backward, self._last_launch),
-                      done - backward)
+            self._add(ready - start, backward - ready, self._comm_seconds(backward, self._last_launch), done - backward)
         self._window.steps += 1
 
     # --- from the communication hook ----------------------------------------------------------------

@@ -31,8 +31,10 @@ def check_installed(names: list[str]) -> None:
     """Refuse, before anything starts, a tracker that is not installed here."""
     for name in names:
         if not _installed(name):
-            raise ConfigError(f"monitor.trackers names {name}, which is not installed here; pip install "
-                              f"{KNOWN[name]} (or pip install 'dtrain[trackers]'), or drop it from monitor.trackers")
+            raise ConfigError(
+                f"monitor.trackers names {name}, which is not installed here; pip install "
+                f"{KNOWN[name]} (or pip install 'dtrain[trackers]'), or drop it from monitor.trackers"
+            )
 
 
 def flat(config: dict[str, Any]) -> dict[str, Any]:
@@ -42,8 +44,11 @@ def flat(config: dict[str, Any]) -> dict[str, Any]:
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
     """The record's numeric metrics (not its step, epoch or clock)."""
-    return {k: float(v) for k, v in record.items()
-            if k not in ("step", "epoch", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in ("step", "epoch", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class MLflowTracker:
@@ -60,9 +65,17 @@ class MLflowTracker:
         experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dtrain"))
         self._mlflow = mlflow
         where = str(run_dir.absolute())
-        earlier = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`dtrain.run_dir` = '{where}'",
-                                     order_by=["attributes.start_time DESC"], max_results=1,
-                                     output_format="list") if resuming else []
+        earlier = (
+            mlflow.search_runs(
+                [experiment.experiment_id],
+                filter_string=f"tags.`dtrain.run_dir` = '{where}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+                output_format="list",
+            )
+            if resuming
+            else []
+        )
         if earlier:
             self._run = mlflow.start_run(run_id=earlier[0].info.run_id)
         else:
@@ -84,8 +97,14 @@ class WandbTracker:
 
         latest = run_dir / "wandb" / "latest-run"
         earlier = os.readlink(latest).rsplit("-", 1)[-1] if resuming and latest.is_symlink() else None
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dtrain"), dir=str(run_dir), config=config,
-                               name=run_dir.absolute().name, id=earlier, resume="allow" if earlier else None)
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "dtrain"),
+            dir=str(run_dir),
+            config=config,
+            name=run_dir.absolute().name,
+            id=earlier,
+            resume="allow" if earlier else None,
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         self._run.log(numbers(record), step=record["step"])

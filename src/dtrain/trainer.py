@@ -14,8 +14,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,13 +24,23 @@ from torch.utils.data import Dataset
 
 from . import distributed, memory, parallel, perf, rundir
 from .amp import precision_for
-from .checkpoint import (CheckpointError, Checkpointer, CheckpointStore, Parts, Position, RunDirLock,
-                         atomic_write_text, resume_geometry, save_final_weights, truncate_metrics)
+from .checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointStore,
+    Parts,
+    Position,
+    RunDirLock,
+    atomic_write_text,
+    resume_geometry,
+    save_final_weights,
+    truncate_metrics,
+)
 from .checkpoint.state import processes, regroup
 from .config import Config, profile_range
 from .data import EvalBatches, ShardSampler, TensorDict, TrainBatches
-from .data.sampler import GlobalOrderSampler
 from .data.batch import num_samples, num_tokens, split
+from .data.sampler import GlobalOrderSampler
 from .errors import DataError, DtrainError, Preempted
 from .evaluation import EvalMetrics, EvalSums
 from .loss import LossFn, LossOf, StepFn
@@ -40,6 +51,7 @@ from .preemption import StopRequest
 from .profiling import StepProfiler
 from .steptime import StepTimer
 from .watchdog import HangWatch
+
 
 class Trainer:
     """Trains `model` data-parallel over every process of the job.
@@ -56,11 +68,18 @@ class Trainer:
     sharded module itself; the plain module at world size 1), `module` the user's own.
     """
 
-    def __init__(self, config: Config | None = None, *, model: nn.Module,
-                 train_data: Dataset | Mapping[str, torch.Tensor],
-                 eval_data: Dataset | Mapping[str, torch.Tensor] | None = None, loss_fn: LossFn | None = None,
-                 step_fn: StepFn | None = None, eval_metrics: EvalMetrics | None = None,
-                 collate_fn: Callable[[list[Any]], Any] | None = None):
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        model: nn.Module,
+        train_data: Dataset | Mapping[str, torch.Tensor],
+        eval_data: Dataset | Mapping[str, torch.Tensor] | None = None,
+        loss_fn: LossFn | None = None,
+        step_fn: StepFn | None = None,
+        eval_metrics: EvalMetrics | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ):
         self.config = config or Config()
         self.module = model
         self.train_data = TensorDict(train_data) if isinstance(train_data, Mapping) else train_data
@@ -85,8 +104,9 @@ class Trainer:
         """
         if self.session is not None:
             return
-        self.session = distributed.start(self.config.distributed, debug=self.config.monitor.debug,
-                                         diagnostics_dir=self.run_dir / "diagnostics")
+        self.session = distributed.start(
+            self.config.distributed, debug=self.config.monitor.debug, diagnostics_dir=self.run_dir / "diagnostics"
+        )
         self._lock = RunDirLock(self.run_dir)
         self._fresh = False
         try:
@@ -104,21 +124,29 @@ class Trainer:
         device = session.device
         if not isinstance(self.module, nn.Module) or not any(p.requires_grad for p in self.module.parameters()):
             what = type(self.module).__name__
-            raise DtrainError(f"the model ({what}) has no trainable parameters: there is nothing to train; "
-                              f"give a torch.nn.Module with parameters that require gradients")
+            raise DtrainError(
+                f"the model ({what}) has no trainable parameters: there is nothing to train; "
+                f"give a torch.nn.Module with parameters that require gradients"
+            )
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         check_shardable(cfg, len(self.train_data), session.world_size)
         self._regrouped = self._regroup()
 
         sampler = self._sampler()
-        self.train_batches = TrainBatches(self.train_data, sampler, cfg.data, cfg.training.grad_accum_steps,
-                                          device, self.collate_fn)
-        self.eval_batches = (EvalBatches(self.eval_data, session.rank, session.world_size, cfg.data, device,
-                                         self.collate_fn) if self.eval_data is not None else None)
+        self.train_batches = TrainBatches(
+            self.train_data, sampler, cfg.data, cfg.training.grad_accum_steps, device, self.collate_fn
+        )
+        self.eval_batches = (
+            EvalBatches(self.eval_data, session.rank, session.world_size, cfg.data, device, self.collate_fn)
+            if self.eval_data is not None
+            else None
+        )
         if self.train_batches.steps_per_epoch == 0:
-            raise DataError(f"data.drop_last=true with data.batch_size={cfg.data.batch_size} leaves no "
-                            f"full batch of the {sampler.num_samples} samples per process; lower "
-                            f"data.batch_size or set data.drop_last=false")
+            raise DataError(
+                f"data.drop_last=true with data.batch_size={cfg.data.batch_size} leaves no "
+                f"full batch of the {sampler.num_samples} samples per process; lower "
+                f"data.batch_size or set data.drop_last=false"
+            )
 
         self.module.to(device)
         peak = perf.peak_flops(device, cfg.training.precision, cfg.monitor.peak_tflops, cfg.training.tf32)
@@ -131,38 +159,69 @@ class Trainer:
         self.total_steps = self._planned_steps()
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
         self.metrics = StepMetrics(
-            device, session.world_size, self.timer, hosts=distributed.hostnames(),
-            flops_per_sample=flops_per_sample, peak_flops=peak,
-            straggler_margin=cfg.monitor.straggler_margin, count_skips=self.precision.scaler.is_enabled())
-        self.profiler = StepProfiler(profile_range(cfg.profile.steps) if cfg.profile.steps else None,
-                                     self.run_dir, session.rank, device.type == "cuda")
+            device,
+            session.world_size,
+            self.timer,
+            hosts=distributed.hostnames(),
+            flops_per_sample=flops_per_sample,
+            peak_flops=peak,
+            straggler_margin=cfg.monitor.straggler_margin,
+            count_skips=self.precision.scaler.is_enabled(),
+        )
+        self.profiler = StepProfiler(
+            profile_range(cfg.profile.steps) if cfg.profile.steps else None,
+            self.run_dir,
+            session.rank,
+            device.type == "cuda",
+        )
         self._first_backward_checked = False
 
         self._take_run_dir()
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, Parts(
-            self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank,
-            session.world_size, cfg.data.batch_size * cfg.training.grad_accum_steps,
-            identity={"optimizer.name": cfg.optimizer.name, "run.seed": cfg.run.seed, "data.name": cfg.data.name,
-                      "training samples": len(self.train_data)},
-            setup={"distributed.strategy": cfg.distributed.strategy, "training.compile": cfg.training.compile,
-                   "training.activation_checkpointing": cfg.training.activation_checkpointing,
-                   "training.precision": cfg.training.precision}))
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint,
+            self.run_dir,
+            Parts(
+                self.module,
+                self.optimizer,
+                self.scheduler,
+                self.precision.scaler,
+                session.rank,
+                session.world_size,
+                cfg.data.batch_size * cfg.training.grad_accum_steps,
+                identity={
+                    "optimizer.name": cfg.optimizer.name,
+                    "run.seed": cfg.run.seed,
+                    "data.name": cfg.data.name,
+                    "training samples": len(self.train_data),
+                },
+                setup={
+                    "distributed.strategy": cfg.distributed.strategy,
+                    "training.compile": cfg.training.compile,
+                    "training.activation_checkpointing": cfg.training.activation_checkpointing,
+                    "training.precision": cfg.training.precision,
+                },
+            ),
+        )
         resume_from = self.checkpointer.find_resume_point()
         self._fresh = resume_from is None  # what run.dir holds from here on is this run's own
         replanned = rescheduled = None
         if resume_from is not None:
             if resume_from.step > self.total_steps:
-                raise DtrainError(f"{resume_from.path} is at step {resume_from.step} and this config plans "
-                                  f"{self.total_steps} steps (training.epochs={cfg.training.epochs}, "
-                                  f"training.max_steps={cfg.training.max_steps}); raise them to continue "
-                                  f"that run, or start a new run.dir")
+                raise DtrainError(
+                    f"{resume_from.path} is at step {resume_from.step} and this config plans "
+                    f"{self.total_steps} steps (training.epochs={cfg.training.epochs}, "
+                    f"training.max_steps={cfg.training.max_steps}); raise them to continue "
+                    f"that run, or start a new run.dir"
+                )
             wanted = _hyperparameters(self.optimizer)  # the config's, before the checkpoint's replace them
             position = self.checkpointer.restore(resume_from)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-            respread = ", ".join(f"{key} {position.setup[key]} → {value}" for key, value in
-                                 self.checkpointer.parts.setup.items()
-                                 if key in position.setup and position.setup[key] != value)
+            respread = ", ".join(
+                f"{key} {position.setup[key]} → {value}"
+                for key, value in self.checkpointer.parts.setup.items()
+                if key in position.setup and position.setup[key] != value
+            )
             rescheduled = self._follow_the_configs_plan()
             replanned = ", ".join(filter(None, (rescheduled, self._follow_the_configs_optimizer(wanted), respread)))
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -174,29 +233,41 @@ class Trainer:
                 # An epoch that ended exactly at the checkpoint is evaluated again on resume.
                 epoch_end_pending = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
                 truncate_metrics(self.run_dir / "metrics.jsonl", self.step, drop_eval_at_step=epoch_end_pending)
-        self.monitor = Monitor(self.run_dir, session.is_main, self.total_steps, self.step,
-                               purge_after=self.step if continuing else None, trackers=cfg.monitor.trackers,
-                               config=cfg.to_dict())
+        self.monitor = Monitor(
+            self.run_dir,
+            session.is_main,
+            self.total_steps,
+            self.step,
+            purge_after=self.step if continuing else None,
+            trackers=cfg.monitor.trackers,
+            config=cfg.to_dict(),
+        )
         if self._replaced:
             whose = "an earlier attempt of this run" if rundir.later_attempt() else "the earlier run (run.overwrite)"
             self.monitor.info(f"replaced the outputs of {whose}: {', '.join(self._replaced)}")
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if restarts.isdigit() and int(restarts) > 0:  # the agents' own account of it is silenced (launch.py)
-            self.monitor.info(f"restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
-                              f"(torchrun): a process of the group failed or a node left; the group re-formed "
-                              f"with {session.world_size} process(es)")
+            self.monitor.info(
+                f"restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
+                f"(torchrun): a process of the group failed or a node left; the group re-formed "
+                f"with {session.world_size} process(es)"
+            )
         if resume_from is not None:
-            self.monitor.info(f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
-                              f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete"))
+            self.monitor.info(
+                f"resumed from {resume_from.path} (step {self.step} of {self.total_steps}, "
+                f"epoch {self.epoch})" + ("" if continuing else ": the run is already complete")
+            )
         if self._regrouped and continuing:
             self.monitor.info(self._regrouped)
         if replanned and continuing:
-            self.monitor.info(f"the config changed since that checkpoint ({replanned}): this run follows it from "
-                              f"step {self.step}" + (", the learning-rate schedule rebuilt for its plan"
-                                                     if rescheduled else ""))
+            self.monitor.info(
+                f"the config changed since that checkpoint ({replanned}): this run follows it from "
+                f"step {self.step}" + (", the learning-rate schedule rebuilt for its plan" if rescheduled else "")
+            )
         self.timer.progress.step = self.step
-        self.watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, session.rank,
-                               session.world_size, self.run_dir)
+        self.watch = HangWatch(
+            self.timer.progress, cfg.distributed.hang_timeout_s, session.rank, session.world_size, self.run_dir
+        )
 
     def _regroup(self) -> str | None:
         """Resuming a checkpoint written by another number of processes (a node lost for good, a job
@@ -207,10 +278,17 @@ class Trainer:
         cfg, answer = self.config, (None, None)
         if self.session.is_main:
             try:
-                saved = resume_geometry(cfg.checkpoint, self.run_dir, fresh=cfg.run.overwrite and not rundir.later_attempt())
+                saved = resume_geometry(
+                    cfg.checkpoint, self.run_dir, fresh=cfg.run.overwrite and not rundir.later_attempt()
+                )
                 if saved is not None and saved[2]:
-                    accum = regroup(*saved, self.session.world_size, cfg.data.batch_size,
-                                    cfg.training.grad_accum_steps, getattr(self.train_data, "global_order", False))
+                    accum = regroup(
+                        *saved,
+                        self.session.world_size,
+                        cfg.data.batch_size,
+                        cfg.training.grad_accum_steps,
+                        getattr(self.train_data, "global_order", False),
+                    )
                     answer = ((saved[0], saved[1], accum), None)
             except DtrainError as exc:
                 answer = (None, str(exc))
@@ -223,11 +301,15 @@ class Trainer:
         before, cfg.training.grad_accum_steps = cfg.training.grad_accum_steps, accum
         world, global_batch = self.session.world_size, accum * cfg.data.batch_size * self.session.world_size
         if saved_world == world:  # another data.batch_size, or a checkpoint of a regrouped run
-            return (f"{name} took global batches of {global_batch} samples: with data.batch_size="
-                    f"{cfg.data.batch_size} on {processes(world)}, training.grad_accum_steps {accum} (not the "
-                    f"config's {before}) keeps them")
-        return (f"{name} was written by {processes(saved_world)} and this run has {world}: "
-                f"training.grad_accum_steps {before} → {accum} keeps its global batch of {global_batch} samples")
+            return (
+                f"{name} took global batches of {global_batch} samples: with data.batch_size="
+                f"{cfg.data.batch_size} on {processes(world)}, training.grad_accum_steps {accum} (not the "
+                f"config's {before}) keeps them"
+            )
+        return (
+            f"{name} was written by {processes(saved_world)} and this run has {world}: "
+            f"training.grad_accum_steps {before} → {accum} keeps its global batch of {global_batch} samples"
+        )
 
     def _sampler(self) -> ShardSampler:
         """DistributedSampler's order; for data that asks for it (token windows) an order that does not
@@ -235,12 +317,20 @@ class Trainer:
         n, session, cfg = len(self.train_data), self.session, self.config
         if not getattr(self.train_data, "global_order", False):
             return ShardSampler(n, session.rank, session.world_size, seed=cfg.run.seed)
-        sampler = GlobalOrderSampler(n, session.rank, session.world_size, cfg.data.batch_size, seed=cfg.run.seed,
-                                     accum=cfg.training.grad_accum_steps)
+        sampler = GlobalOrderSampler(
+            n,
+            session.rank,
+            session.world_size,
+            cfg.data.batch_size,
+            seed=cfg.run.seed,
+            accum=cfg.training.grad_accum_steps,
+        )
         if sampler.global_batches == 0:
-            raise DataError(f"the training set has {n} samples, fewer than one global batch "
-                            f"(data.batch_size={cfg.data.batch_size} × {session.world_size} processes); lower "
-                            f"data.batch_size (or data.block_size for token data)")
+            raise DataError(
+                f"the training set has {n} samples, fewer than one global batch "
+                f"(data.batch_size={cfg.data.batch_size} × {session.world_size} processes); lower "
+                f"data.batch_size (or data.block_size for token data)"
+            )
         return sampler
 
     def _count_flops(self) -> float | None:
@@ -286,8 +376,9 @@ class Trainer:
             return
         if getattr(self, "monitor", None) is not None:
             self.monitor.close()
-        rundir.remove([self.run_dir / name for name in rundir.OUTPUTS
-                       if name != "checkpoints" and (self.run_dir / name).exists()])
+        rundir.remove(
+            [self.run_dir / name for name in rundir.OUTPUTS if name != "checkpoints" and (self.run_dir / name).exists()]
+        )
 
     def _planned_steps(self) -> int:
         steps = self.config.training.epochs * self.train_batches.steps_per_epoch
@@ -333,23 +424,27 @@ class Trainer:
                 if self.step == first_step + 2:  # the first step compiles and warms up: the second is typical
                     self._pace_stop_checks(time.perf_counter() - began)
                 last, stopping = self._log_if_due(last, stop)
-                if self.checkpointer.due(self.step, last=self.step == self.total_steps,
-                                         forced=stopping or self._stop_step_reached()):
+                if self.checkpointer.due(
+                    self.step, last=self.step == self.total_steps, forced=stopping or self._stop_step_reached()
+                ):
                     self._save_checkpoint()
                 if stopping:
                     together = True
-                    raise Preempted(f"stopped by SIGTERM at step {self.step}; checkpoint written to "
-                                    f"{self.checkpointer.store.root}/step-{self.step}; rerun the same command to "
-                                    f"resume")
+                    raise Preempted(
+                        f"stopped by SIGTERM at step {self.step}; checkpoint written to "
+                        f"{self.checkpointer.store.root}/step-{self.step}; rerun the same command to "
+                        f"resume"
+                    )
                 if self.step < self.total_steps and self._stop_step_reached():
                     break
                 last = self._end_epoch_if_done(last)
             if self.step < self.total_steps:  # at training.stop_at_step
                 self.monitor.info(
                     f"stopped at step {self.step} as training.stop_at_step asks; resume to continue"
-                    if self.step > first_step else
-                    f"training.stop_at_step={self.config.training.stop_at_step} and the run is at step {self.step} "
-                    f"already: nothing trained; rerun without it (or with a later step) to continue")
+                    if self.step > first_step
+                    else f"training.stop_at_step={self.config.training.stop_at_step} and the run is at step {self.step} "
+                    f"already: nothing trained; rerun without it (or with a later step) to continue"
+                )
                 distributed.barrier()
                 together = True
                 return last
@@ -431,7 +526,7 @@ class Trainer:
         if self.session.is_main:
             try:
                 save_final_weights(state, path)
-            except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error on a full disk
+            except Exception as exc:
                 error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
                 if "No space left on device" in error:  # safetensors wraps it: "I/O error: ... (os error 28)"
                     error = "No space left on device"
@@ -444,13 +539,19 @@ class Trainer:
             except CheckpointError as exc:
                 # run.dir's disk is full: the last resort is the system's temporary folder (often another disk).
                 rescued = distributed.from_rank0(_rescue_weights(state) if self.session.is_main else None)
-                kept = (f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
-                        if rescued else "and no copy of the weights could be written anywhere else either")
-                raise DtrainError(f"could not write {path} ({error}), nor a checkpoint of the trained state "
-                                  f"({exc}); {kept}") from None
-        raise DtrainError(f"could not write {path} ({error}); the trained state is safe in "
-                          f"{self.checkpointer.store.root}/step-{self.step}: make room (or move what is in "
-                          f"the way) and rerun the same command to write the weights")
+                kept = (
+                    f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
+                    if rescued
+                    else "and no copy of the weights could be written anywhere else either"
+                )
+                raise DtrainError(
+                    f"could not write {path} ({error}), nor a checkpoint of the trained state ({exc}); {kept}"
+                ) from None
+        raise DtrainError(
+            f"could not write {path} ({error}); the trained state is safe in "
+            f"{self.checkpointer.store.root}/step-{self.step}: make room (or move what is in "
+            f"the way) and rerun the same command to write the weights"
+        )
 
     def _save_checkpoint(self) -> None:
         self.metrics.pause()
@@ -464,8 +565,11 @@ class Trainer:
     def _out_of_memory(self, when: str, exc: BaseException) -> DtrainError:
         cfg = self.config
         batch, accum = cfg.data.batch_size, cfg.training.grad_accum_steps
-        levers = [f"data.batch_size={max(1, batch // 2)} training.grad_accum_steps={accum * 2} (the same "
-                  f"effective batch)" if batch > 1 else "a smaller model"]
+        levers = [
+            f"data.batch_size={max(1, batch // 2)} training.grad_accum_steps={accum * 2} (the same effective batch)"
+            if batch > 1
+            else "a smaller model"
+        ]
         if cfg.training.precision == "fp32":
             levers.append("training.precision=bf16")
         if cfg.data.on_device and self.session.device.type == "cuda":
@@ -478,9 +582,11 @@ class Trainer:
         if sharded and not cfg.distributed.fsdp_cpu_offload and self.session.device.type == "cuda":
             levers.append("distributed.fsdp_cpu_offload=true")
         what = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
-        return DtrainError(f"out of {what} {when} on rank {self.session.rank} with "
-                           f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
-                           f"training.precision={cfg.training.precision}); try {' or '.join(levers)}")
+        return DtrainError(
+            f"out of {what} {when} on rank {self.session.rank} with "
+            f"data.batch_size={batch} per process (training.grad_accum_steps={accum}, "
+            f"training.precision={cfg.training.precision}); try {' or '.join(levers)}"
+        )
 
     def _compiling_step(self, micro_batches: list[Any]) -> None:
         """The step in which torch.compile compiles: timed on its own console line, left out of the
@@ -490,21 +596,25 @@ class Trainer:
         began = time.perf_counter()
         try:
             self._train_step(micro_batches)
-        except Exception as exc:  # noqa: BLE001 - a compiler that fails here fails on every rank
+        except Exception as exc:
             if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise DtrainError(f"training.compile={self.config.training.compile} failed while compiling the first "
-                              f"step ({type(exc).__name__}: {first}); set training.compile=none") from None
+            raise DtrainError(
+                f"training.compile={self.config.training.compile} failed while compiling the first "
+                f"step ({type(exc).__name__}: {first}); set training.compile=none"
+            ) from None
         if self.session.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - began
         self.timer.enabled = timing
         self.metrics.resume()
-        self.metrics.leave_out_of_rates(sum(num_samples(batch) for batch in micro_batches),
-                                        _tokens(micro_batches), seconds)
-        self.monitor.info(f"compiled ({self.config.training.compile}) in the first step: {seconds:.1f} s, left "
-                          f"out of throughput")
+        self.metrics.leave_out_of_rates(
+            sum(num_samples(batch) for batch in micro_batches), _tokens(micro_batches), seconds
+        )
+        self.monitor.info(
+            f"compiled ({self.config.training.compile}) in the first step: {seconds:.1f} s, left out of throughput"
+        )
 
     def _train_step(self, micro_batches: list[Any]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
@@ -564,8 +674,11 @@ class Trainer:
         # The module itself, not DDP's wrapper: no gradients, nothing to all-reduce. Under FSDP the forward
         # pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted.
         module = self.module
-        batches = (self.eval_batches.evened() if self.parallel.forward_is_collective
-                   else ((batch, True) for batch in self.eval_batches))
+        batches = (
+            self.eval_batches.evened()
+            if self.parallel.forward_is_collective
+            else ((batch, True) for batch in self.eval_batches)
+        )
         was_training = module.training
         module.eval()
         sums = EvalSums(self.session.device, self.eval_metrics)
@@ -621,12 +734,13 @@ class Trainer:
             levers.append("training.precision=bf16")
         last = self.checkpointer.store.newest()  # never a diverged state: see _save_checkpoint
         if last is not None:
-            again = (f"rerun with that change to resume from {last.path} (step {last.step}), or add "
-                     f"run.overwrite=true to start afresh")
+            again = (
+                f"rerun with that change to resume from {last.path} (step {last.step}), or add "
+                f"run.overwrite=true to start afresh"
+            )
         else:
             again = "rerun with that change and run.overwrite=true to start afresh"
-        return (f"{what} by step {self.step}: training diverged and goes no further; try {' or '.join(levers)}: "
-                f"{again}")
+        return f"{what} by step {self.step}: training diverged and goes no further; try {' or '.join(levers)}: {again}"
 
     def _unschedule(self, skipped: int) -> None:
         """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
@@ -639,8 +753,11 @@ class Trainer:
         """The config's optimizer settings (momentum, weight decay, betas, …) over the checkpoint's, which
         loading its state brought back. What changed, or None."""
         restored = _hyperparameters(self.optimizer)
-        changes = [f"optimizer.{key} {_plain(restored[key])} → {_plain(value)}"
-                   for key, value in wanted.items() if _plain(restored.get(key)) != _plain(value)]
+        changes = [
+            f"optimizer.{key} {_plain(restored[key])} → {_plain(value)}"
+            for key, value in wanted.items()
+            if _plain(restored.get(key)) != _plain(value)
+        ]
         for group in self.optimizer.param_groups:
             group.update(wanted)
         return ", ".join(changes) or None
@@ -653,12 +770,17 @@ class Trainer:
         cfg = self.config
         restored, wanted = self.scheduler.lr_lambdas[0], LRShape(cfg.scheduler, self.total_steps)
         peak = cfg.optimizer.lr
-        changes = [f"{label} {a:g} → {b:g}" if isinstance(a, (int, float)) else f"{label} {a} → {b}"
-                   for label, a, b in (("steps", restored.total, wanted.total),
-                                       ("scheduler.name", restored.name, wanted.name),
-                                       ("scheduler.warmup_steps", restored.warmup, wanted.warmup),
-                                       ("scheduler.min_lr_ratio", restored.floor, wanted.floor),
-                                       ("optimizer.lr", self.scheduler.base_lrs[0], peak)) if a != b]
+        changes = [
+            f"{label} {a:g} → {b:g}" if isinstance(a, (int, float)) else f"{label} {a} → {b}"
+            for label, a, b in (
+                ("steps", restored.total, wanted.total),
+                ("scheduler.name", restored.name, wanted.name),
+                ("scheduler.warmup_steps", restored.warmup, wanted.warmup),
+                ("scheduler.min_lr_ratio", restored.floor, wanted.floor),
+                ("optimizer.lr", self.scheduler.base_lrs[0], peak),
+            )
+            if a != b
+        ]
         if not changes:
             return None
         self.scheduler.lr_lambdas = [LRShape(cfg.scheduler, self.total_steps) for _ in self.optimizer.param_groups]
@@ -685,7 +807,7 @@ def _rescue_weights(state: dict[str, torch.Tensor]) -> str | None:
             folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-", dir=place))
             save_final_weights(state, folder / "model.safetensors")
             return str(folder / "model.safetensors")
-        except Exception:  # noqa: BLE001 - anything: try the next place
+        except Exception:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
     return None
@@ -699,7 +821,8 @@ def _weights_bytes(module: nn.Module) -> int:
 def _out_of_memory(exc: BaseException) -> bool:
     """A CUDA OOM, or the CPU allocator's (a MemoryError, or torch's RuntimeError saying so)."""
     return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or (
-        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    )
 
 
 def _tokens(micro_batches: list[Any]) -> int | None:
@@ -711,8 +834,10 @@ def _tokens(micro_batches: list[Any]) -> int | None:
 def check_shardable(config: Config, n_train: int, world_size: int) -> None:
     """Every process needs at least one training sample of its own."""
     if n_train < world_size:
-        raise DataError(f"data set '{config.data.name}' has {n_train} training samples, too few for "
-                        f"{world_size} processes; use --nproc {max(1, n_train)} or fewer")
+        raise DataError(
+            f"data set '{config.data.name}' has {n_train} training samples, too few for "
+            f"{world_size} processes; use --nproc {max(1, n_train)} or fewer"
+        )
 
 
 def _has_blocks(module: nn.Module, config: Config) -> bool:

@@ -27,8 +27,16 @@ from .failures import report
 from .steptime import Progress
 
 # The order phases come in within a step: a rank earlier in it is further behind.
-_ORDER = {"starting": 0, "waiting for data": 1, "forward/backward": 2, "gradient all-reduce": 3,
-          "optimizer step": 4, "between steps": 5, "evaluation": 5, "checkpoint": 5}
+_ORDER = {
+    "starting": 0,
+    "waiting for data": 1,
+    "forward/backward": 2,
+    "gradient all-reduce": 3,
+    "optimizer step": 4,
+    "between steps": 5,
+    "evaluation": 5,
+    "checkpoint": 5,
+}
 
 
 class HangWatch:
@@ -71,21 +79,33 @@ class HangWatch:
         if self._store is None:
             return
         try:
-            self._store.set(str(self.rank), json.dumps({"step": self.progress.step, "phase": self.progress.phase,
-                                                        "host": socket.gethostname(), "pid": os.getpid()}))
-        except Exception:  # noqa: BLE001 - the store is gone: the group is ending anyway
+            self._store.set(
+                str(self.rank),
+                json.dumps(
+                    {
+                        "step": self.progress.step,
+                        "phase": self.progress.phase,
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                    }
+                ),
+            )
+        except Exception:
             pass
 
     def _on_hang(self) -> None:
         self.diagnostics.mkdir(parents=True, exist_ok=True)
         stack_file = self.diagnostics / f"rank-{self.rank}.txt"
         with open(stack_file, "w") as fh:
-            fh.write(f"rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): step {self.progress.step}, "
-                     f"{self.progress.phase}, no progress for {self.timeout_s:g} s\n\n")
+            fh.write(
+                f"rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): step {self.progress.step}, "
+                f"{self.progress.phase}, no progress for {self.timeout_s:g} s\n\n"
+            )
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
-        dump_flight_recorder(self.diagnostics / f"flight-recorder-rank-{self.rank}",
-                             dist.get_backend() if dist.is_initialized() else "")
+        dump_flight_recorder(
+            self.diagnostics / f"flight-recorder-rank-{self.rank}", dist.get_backend() if dist.is_initialized() else ""
+        )
         report(self._describe(), self.rank, traceback_text=None)
         time.sleep(min(5.0, self.timeout_s))  # let the other ranks write their stacks too
         os._exit(EXIT_HANG)
@@ -98,21 +118,28 @@ class HangWatch:
             behind = sorted(r for r, pos in position.items() if pos == least)
             missing = sorted(set(range(self.world_size)) - set(seen))
             ahead = sorted(set(seen) - set(behind))
-            parts = [", ".join(f"rank {r} ({seen[r]['host']}) at step {seen[r]['step'] + 1}, {seen[r]['phase']}"
-                               for r in behind) + (" is behind" if len(behind) == 1 else " are behind")]
+            parts = [
+                ", ".join(
+                    f"rank {r} ({seen[r]['host']}) at step {seen[r]['step'] + 1}, {seen[r]['phase']}" for r in behind
+                )
+                + (" is behind" if len(behind) == 1 else " are behind")
+            ]
             if ahead:
                 example = seen[ahead[0]]
-                parts.append(f"rank(s) {', '.join(map(str, ahead))} wait at step {example['step'] + 1}, "
-                             f"{example['phase']}")
+                parts.append(
+                    f"rank(s) {', '.join(map(str, ahead))} wait at step {example['step'] + 1}, {example['phase']}"
+                )
             if missing:
                 parts.append(f"rank(s) {', '.join(map(str, missing))} never reported")
             who = "; ".join(parts)
         else:
             who = f"this rank ({self.rank}) was at step {self.progress.step + 1}, {self.progress.phase}"
-        return (f"hang: no rank finished a step for {self.timeout_s:g} s (distributed.hang_timeout_s); "
-                f"{who}. Python stacks of every rank: {self.diagnostics}/rank-<N>.txt; last collectives: "
-                f"flight-recorder-rank-<N> there (python -m torch.distributed.flight_recorder.fr_trace "
-                f"{self.diagnostics} --prefix flight-recorder-rank-)")
+        return (
+            f"hang: no rank finished a step for {self.timeout_s:g} s (distributed.hang_timeout_s); "
+            f"{who}. Python stacks of every rank: {self.diagnostics}/rank-<N>.txt; last collectives: "
+            f"flight-recorder-rank-<N> there (python -m torch.distributed.flight_recorder.fr_trace "
+            f"{self.diagnostics} --prefix flight-recorder-rank-)"
+        )
 
     def _progress_of_all(self) -> dict[int, dict]:
         if self._store is None:
@@ -122,7 +149,7 @@ class HangWatch:
             try:
                 if self._store.check([str(r)]):
                     seen[r] = json.loads(self._store.get(str(r)))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
         return seen
 
@@ -139,5 +166,5 @@ def dump_flight_recorder(path: Path, backend: str) -> bool:
     try:
         path.write_bytes(dump())
         return True
-    except Exception:  # noqa: BLE001 - a failed dump must not hide the hang report itself
+    except Exception:
         return False

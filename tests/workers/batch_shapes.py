@@ -74,8 +74,7 @@ def variants(x, y):
     try:
         from transformers import BatchEncoding
 
-        encoding = ("hf_batch_encoding", Samples(x, y, lambda a, b: BatchEncoding({"input_ids": a, "labels": b})),
-                    {})
+        encoding = ("hf_batch_encoding", Samples(x, y, lambda a, b: BatchEncoding({"input_ids": a, "labels": b})), {})
     except ImportError:
         pass
     found = [
@@ -89,8 +88,16 @@ def variants(x, y):
         ("dataclass_loader", Samples(x, y, lambda a, b: Sample(a, b)), {}),
         ("step_fn", TensorDataset(x, y), {"step_fn": lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])}),
         ("loss_fn_on_dict", {"x": x, "labels": y}, {"loss_fn": lambda out, batch: out.loss}),
-        ("eval_metrics", TensorDataset(x, y), {"eval_metrics": lambda out, batch: {
-            "hits": (out.argmax(1) == batch[1]).double().mean(), "eval_mean_target": batch[1].double().mean()}}),
+        (
+            "eval_metrics",
+            TensorDataset(x, y),
+            {
+                "eval_metrics": lambda out, batch: {
+                    "hits": (out.argmax(1) == batch[1]).double().mean(),
+                    "eval_mean_target": batch[1].double().mean(),
+                }
+            },
+        ),
     ]
     return found + ([encoding] if encoding else [])
 
@@ -104,18 +111,30 @@ def main(out: Path) -> None:
     ey = ex[:, :C].argmax(1)
     results = {}
     for name, data, extra in variants(x, y):
-        config = dtrain.Config.from_dict({
-            "run": {"dir": str(out / name), "seed": 1}, "data": {"batch_size": 8, "eval_batch_size": 7},
-            "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "training": {"epochs": 2, "log_every": 3,
-                                                                                  "grad_accum_steps": 2}})
-        eval_data = data.__class__(ex, ey, data.make) if isinstance(data, Samples) else (
-            {"x": ex, "labels": ey} if isinstance(data, dict) else TensorDataset(*(
-                [ex[:, :D // 2], ex[:, D // 2:], ey] if len(data.tensors) == 3 else [ex, ey])))
+        config = dtrain.Config.from_dict(
+            {
+                "run": {"dir": str(out / name), "seed": 1},
+                "data": {"batch_size": 8, "eval_batch_size": 7},
+                "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                "training": {"epochs": 2, "log_every": 3, "grad_accum_steps": 2},
+            }
+        )
+        eval_data = (
+            data.__class__(ex, ey, data.make)
+            if isinstance(data, Samples)
+            else (
+                {"x": ex, "labels": ey}
+                if isinstance(data, dict)
+                else TensorDataset(*([ex[:, : D // 2], ex[:, D // 2 :], ey] if len(data.tensors) == 3 else [ex, ey]))
+            )
+        )
         model = Linear()
         last = dtrain.Trainer(config, model=model, train_data=data, eval_data=eval_data, **extra).fit()
-        results[name] = {"weights": [p.detach().flatten().tolist() for p in model.parameters()],
-                         "eval": {k: v for k, v in last.items() if k.startswith("eval_")},
-                         "steps": last["step"]}
+        results[name] = {
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+            "eval": {k: v for k, v in last.items() if k.startswith("eval_")},
+            "steps": last["step"],
+        }
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -14,12 +14,30 @@ class DyingMLP(nn.Module):
     rank, in the first attempt only (torchrun's restart count is 0), as a crashed worker would —
     and that can be slowed down without changing what it computes."""
 
-    def __init__(self, input_shape, num_classes, hidden_size=64, die_at_forward=0, die_rank=-1,
-                 dropout=0.1, note="", step_sleep_s=0.0, slow_rank=-1, stall_at_forward=0, stall_rank=-1,
-                 oom_at_forward=0, oom_gib=0):
+    def __init__(
+        self,
+        input_shape,
+        num_classes,
+        hidden_size=64,
+        die_at_forward=0,
+        die_rank=-1,
+        dropout=0.1,
+        note="",
+        step_sleep_s=0.0,
+        slow_rank=-1,
+        stall_at_forward=0,
+        stall_rank=-1,
+        oom_at_forward=0,
+        oom_gib=0,
+    ):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), hidden_size),
-                                 nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden_size, num_classes))
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(int(torch.tensor(input_shape).prod()), hidden_size),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden_size, num_classes),
+        )
         self.die_at = die_at_forward
         self.die_rank = die_rank
         self.note = note
@@ -61,8 +79,9 @@ def dying_mlp(input_shape, num_classes, **options):
 
 def wide_linear(input_shape, num_classes, width=4096):
     """Big enough (width × input features) that writing its checkpoint takes a noticeable while."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width),
-                         nn.Linear(width, num_classes))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width), nn.Linear(width, num_classes)
+    )
 
 
 class WithUnused(nn.Module):
@@ -84,5 +103,6 @@ def with_unused(input_shape, num_classes):
 def shape_by_rank(input_shape, num_classes):
     """A model whose width depends on the rank: ranks disagree about the parameters' shapes."""
     width = 16 + 8 * int(os.environ.get("RANK", "0"))
-    return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width), nn.ReLU(),
-                         nn.Linear(width, num_classes))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width), nn.ReLU(), nn.Linear(width, num_classes)
+    )

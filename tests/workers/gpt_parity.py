@@ -38,8 +38,9 @@ def hand_written(folder: Path, vocab: int) -> list[float]:
     losses = []
     for step in range(STEPS):
         start = step * BATCH * world + rank * BATCH
-        windows = torch.stack([torch.from_numpy(tokens[i * BLOCK: i * BLOCK + BLOCK + 1]) for i in
-                               order[start:start + BATCH].tolist()])
+        windows = torch.stack(
+            [torch.from_numpy(tokens[i * BLOCK : i * BLOCK + BLOCK + 1]) for i in order[start : start + BATCH].tolist()]
+        )
         x, y = windows[:, :-1], windows[:, 1:]
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
@@ -53,11 +54,14 @@ def hand_written(folder: Path, vocab: int) -> list[float]:
 
 
 def with_dtrain(folder: Path, out: Path) -> list[float]:
-    config = dtrain.Config.from_dict({
-        "run": {"dir": str(out / "dtrain"), "seed": SEED},
-        "data": {"name": "tokens", "path": str(folder), "block_size": BLOCK, "batch_size": BATCH},
-        "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0},
-        "training": {"epochs": 1, "max_steps": STEPS, "log_every": 1}})
+    config = dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(out / "dtrain"), "seed": SEED},
+            "data": {"name": "tokens", "path": str(folder), "block_size": BLOCK, "batch_size": BATCH},
+            "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0},
+            "training": {"epochs": 1, "max_steps": STEPS, "log_every": 1},
+        }
+    )
     torch.manual_seed(SEED)
     model = GPT(TokenWindows(folder, "train", BLOCK).vocab_size, BLOCK, **SIZE)
     dtrain.Trainer(config, model=model, train_data=TokenWindows(folder, "train", BLOCK)).fit()

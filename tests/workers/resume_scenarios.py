@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from faults import DyingMLP
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
 import dtrain
-from faults import DyingMLP
 
 N_TRAIN, BATCH = 150, 8  # 75 samples per rank: 10 micro-batches an epoch (the last one partial)
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from faults import WithUnused
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import dtrain
 from dtrain.models import mlp
-from faults import WithUnused
 
 SEED = 7
 N_TRAIN = 203  # neither the world size nor the batch divides it: padding and a partial last batch
@@ -109,15 +109,17 @@ def shared(out: Path) -> None:
     results["parity_weights_equal_plain"] = same_weights(trainer.module, plain_model)
 
     # The shared-memory average is bitwise gloo's at 2 ranks: the same run with gloo's all-reduce.
-    over_gloo = dtrain.Trainer(config(out / "gloo", {"distributed": {"shared_memory_allreduce": False}}),
-                               model=fresh_model(), train_data=train)
+    over_gloo = dtrain.Trainer(
+        config(out / "gloo", {"distributed": {"shared_memory_allreduce": False}}), model=fresh_model(), train_data=train
+    )
     over_gloo.fit()
     results["gloo_used_shared_memory"] = over_gloo.parallel.shared_memory is not None
     results["gloo_weights_equal_shared_memory"] = same_weights(over_gloo.module, trainer.module)
 
     # DDP's static_graph changes how it schedules the all-reduce, never the numbers.
-    static = dtrain.Trainer(config(out / "static", {"distributed": {"static_graph": True}}), model=fresh_model(),
-                            train_data=train)
+    static = dtrain.Trainer(
+        config(out / "static", {"distributed": {"static_graph": True}}), model=fresh_model(), train_data=train
+    )
     static.fit()
     results["static_graph_set"] = bool(static.model.static_graph)
     results["static_weights_equal"] = same_weights(static.module, trainer.module)
@@ -126,8 +128,9 @@ def shared(out: Path) -> None:
     torch.manual_seed(SEED)
     unused = WithUnused((20,), 4)
     extra_before = unused.extra.weight.detach().clone()
-    dtrain.Trainer(config(out / "unused", {"distributed": {"find_unused_parameters": True}}), model=unused,
-                   train_data=train).fit()
+    dtrain.Trainer(
+        config(out / "unused", {"distributed": {"find_unused_parameters": True}}), model=unused, train_data=train
+    ).fit()
     results["unused_extra_unchanged"] = torch.equal(unused.extra.weight.detach(), extra_before)
 
     # Exact eval: the 2-rank figure equals one process evaluating everything.
@@ -144,10 +147,13 @@ def shared(out: Path) -> None:
 
     # No all-reduce on skipped micro-batches: count DDP's communication calls with our own hook
     # (one bucket, DDP's own all-reduce, dtrain's timing hook off so ours can be registered).
-    own_hook = {"distributed": {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False},
-                "monitor": {"breakdown": False}}
-    counted = dtrain.Trainer(config(out / "accum", own_hook, grad_accum_steps=4, max_steps=3),
-                             model=fresh_model(), train_data=train)
+    own_hook = {
+        "distributed": {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False},
+        "monitor": {"breakdown": False},
+    }
+    counted = dtrain.Trainer(
+        config(out / "accum", own_hook, grad_accum_steps=4, max_steps=3), model=fresh_model(), train_data=train
+    )
     counted.setup()
     calls = {"n": 0}
 
@@ -160,8 +166,11 @@ def shared(out: Path) -> None:
     results["allreduce_calls"] = calls["n"]
     results["accum_steps"] = counted.step
     # The same through dtrain's shared-memory averaging, which counts the buckets it averages.
-    shm = dtrain.Trainer(config(out / "accum_shm", {"distributed": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4,
-                                max_steps=3), model=fresh_model(), train_data=train)
+    shm = dtrain.Trainer(
+        config(out / "accum_shm", {"distributed": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4, max_steps=3),
+        model=fresh_model(),
+        train_data=train,
+    )
     shm.fit()
     results["shared_memory_calls"] = shm.parallel.shared_memory.calls
 
@@ -171,13 +180,17 @@ def shared(out: Path) -> None:
     dtrain.Trainer(config(out / "batch16"), model=fresh_model(), train_data=train).fit()
 
     # DDP equivalence: 2 ranks × batch 8 (the 1 rank × 16 side runs in the test process).
-    dtrain.Trainer(config(out / "two_ranks", {"data": {"batch_size": 8}}), model=fresh_model(),
-                   train_data=data(200, 0)).fit()
+    dtrain.Trainer(
+        config(out / "two_ranks", {"data": {"batch_size": 8}}), model=fresh_model(), train_data=data(200, 0)
+    ).fit()
 
     # bf16 autocast on the CPU runs and learns, with clipping (its norm logged).
-    bf16 = dtrain.Trainer(config(out / "bf16", {"optimizer": {"lr": 0.05}}, epochs=8, precision="bf16",
-                                 max_grad_norm=1.0, log_every=5),
-                          model=fresh_model(), train_data=data(800, 2), eval_data=data(200, 3))
+    bf16 = dtrain.Trainer(
+        config(out / "bf16", {"optimizer": {"lr": 0.05}}, epochs=8, precision="bf16", max_grad_norm=1.0, log_every=5),
+        model=fresh_model(),
+        train_data=data(800, 2),
+        eval_data=data(200, 3),
+    )
     results["bf16"] = bf16.fit()
     with bf16.precision.autocast():  # the forward really computes in bf16
         results["bf16_output_dtype"] = str(bf16.module(train.tensors[0][:4]).dtype)
@@ -185,11 +198,14 @@ def shared(out: Path) -> None:
 
     # torch's compression hooks take DDP's slot instead of the shared-memory average, and train.
     for hook in ("fp16", "powersgd"):
-        compressed = dtrain.Trainer(config(out / f"hook_{hook}", {"distributed": {"comm_hook": hook}}),
-                                    model=fresh_model(), train_data=train)
+        compressed = dtrain.Trainer(
+            config(out / f"hook_{hook}", {"distributed": {"comm_hook": hook}}), model=fresh_model(), train_data=train
+        )
         compressed.fit()
-        results[f"hook_{hook}"] = {"registered": [h.__name__ for h, _ in compressed.model._comm_hooks],
-                                   "shared_memory": compressed.parallel.shared_memory is not None}
+        results[f"hook_{hook}"] = {
+            "registered": [h.__name__ for h, _ in compressed.model._comm_hooks],
+            "shared_memory": compressed.parallel.shared_memory is not None,
+        }
 
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
@@ -208,8 +224,12 @@ def owned(out: Path) -> None:
     # A second group in the same processes: a fresh file:// rendezvous, so no stale store keys.
     second = {"distributed": {"init_method": f"file://{out / 'rendezvous'}"}}
     try:
-        dtrain.Trainer(config(out / "failing", second, max_steps=2), model=fresh_model(),
-                       train_data=data(N_TRAIN, 0), loss_fn=failing_loss).fit()
+        dtrain.Trainer(
+            config(out / "failing", second, max_steps=2),
+            model=fresh_model(),
+            train_data=data(N_TRAIN, 0),
+            loss_fn=failing_loss,
+        ).fit()
     except RuntimeError as exc:
         results["error"] = str(exc)
     results["alive_after_error"] = dist.is_initialized()

@@ -32,14 +32,16 @@ def tokens(n: int, seed: int) -> TensorDataset:
 
 
 def config(run_dir: Path, strategy: str, **training) -> dtrain.Config:
-    return dtrain.Config.from_dict({
-        "run": {"dir": str(run_dir), "seed": 3},
-        "data": {"batch_size": 4, "eval_batch_size": 5},
-        "optimizer": {"name": "adamw", "lr": 0.01},
-        "training": {"max_steps": 8, "log_every": 1, **training},
-        "checkpoint": {"every_steps": 4},
-        "distributed": {"strategy": strategy, **({"hsdp_shard_size": 2} if strategy == "hsdp" else {})},
-    })
+    return dtrain.Config.from_dict(
+        {
+            "run": {"dir": str(run_dir), "seed": 3},
+            "data": {"batch_size": 4, "eval_batch_size": 5},
+            "optimizer": {"name": "adamw", "lr": 0.01},
+            "training": {"max_steps": 8, "log_every": 1, **training},
+            "checkpoint": {"every_steps": 4},
+            "distributed": {"strategy": strategy, **({"hsdp_shard_size": 2} if strategy == "hsdp" else {})},
+        }
+    )
 
 
 def model() -> GPT:
@@ -50,8 +52,9 @@ def model() -> GPT:
 def train(run_dir: Path, strategy: str, **training) -> dtrain.Trainer:
     # 11 held-out samples with batches of 5 over 2 ranks: rank 0 runs 2 batches, rank 1 one (FSDP must
     # even them out, and count nothing twice).
-    trainer = dtrain.Trainer(config(run_dir, strategy, **training), model=model(), train_data=tokens(96, 0),
-                             eval_data=tokens(11, 1))
+    trainer = dtrain.Trainer(
+        config(run_dir, strategy, **training), model=model(), train_data=tokens(96, 0), eval_data=tokens(11, 1)
+    )
     trainer.fit()
     return trainer
 
@@ -74,8 +77,12 @@ def main(mode: str, out: Path) -> None:
         train(out / f"ddp_{name}", "ddp", **training)
         trainer = train(out / f"{sharded}_{name}", sharded, **training)
     params = local_bytes(trainer.module.parameters())
-    optim = local_bytes(t for state in trainer.optimizer.state.values() for t in state.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+    optim = local_bytes(
+        t
+        for state in trainer.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
     results["param_bytes"], results["optimizer_bytes"] = params, optim
     results["units"] = trainer.parallel.units
     if mode == "fsdp":
@@ -86,7 +93,11 @@ def main(mode: str, out: Path) -> None:
         train(out / "ddp_compiled", "ddp", compile="model")
         train(out / "parted", sharded, stop_at_step=3)
         train(out / "parted", sharded)  # resumes from step-3
-        for name, units in (("bad_units", ["Nowhere"]), ("tied_units", ["Linear"]), ("container_units", ["ModuleList"])):
+        for name, units in (
+            ("bad_units", ["Nowhere"]),
+            ("tied_units", ["Linear"]),
+            ("container_units", ["ModuleList"]),
+        ):
             try:
                 cfg = config(out / name, "fsdp")
                 cfg.distributed.fsdp_units = units

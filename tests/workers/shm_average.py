@@ -30,12 +30,16 @@ def main(out: Path) -> None:
     dist.all_gather(results, averaged)
     if rank == 0:
         mean = torch.stack(everyone).double().mean(0)
-        (out / "results.json").write_text(json.dumps({
-            "used_shared_memory": state is not None,
-            "ranks_bitwise_equal": all(torch.equal(results[0], r) for r in results[1:]),
-            "max_error_vs_float64_mean": float((results[0].double() - mean).abs().max()),
-            "largest_value": float(mean.abs().max()),
-        }))
+        (out / "results.json").write_text(
+            json.dumps(
+                {
+                    "used_shared_memory": state is not None,
+                    "ranks_bitwise_equal": all(torch.equal(results[0], r) for r in results[1:]),
+                    "max_error_vs_float64_mean": float((results[0].double() - mean).abs().max()),
+                    "largest_value": float(mean.abs().max()),
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -24,15 +24,32 @@ def explode(config):
     raise RuntimeError("data factory exploded")
 
 
-
 _X = torch.randn(8, 3)
+
+
 # Data factories returning the wrong kind of thing.
-def returns_a_string(config): return "not data"  # noqa: E704
-def returns_a_number(config): return 3  # noqa: E704
-def returns_an_empty_set(config): return TensorDataset(_X[:0], _X[:0, 0].long())  # noqa: E704
-def returns_a_dict_without_train(config): return {"training": TensorDataset(_X, _X[:, 0].long())}  # noqa: E704
-def returns_a_bad_eval_set(config): return TensorDataset(_X, _X[:, 0].long()), 42  # noqa: E704
-def returns_unreadable_samples(config): return _Unreadable()  # noqa: E704
+def returns_a_string(config):
+    return "not data"
+
+
+def returns_a_number(config):
+    return 3
+
+
+def returns_an_empty_set(config):
+    return TensorDataset(_X[:0], _X[:0, 0].long())
+
+
+def returns_a_dict_without_train(config):
+    return {"training": TensorDataset(_X, _X[:, 0].long())}
+
+
+def returns_a_bad_eval_set(config):
+    return TensorDataset(_X, _X[:, 0].long()), 42
+
+
+def returns_unreadable_samples(config):
+    return _Unreadable()
 
 
 class _Unreadable(torch.utils.data.Dataset):

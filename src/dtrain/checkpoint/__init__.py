@@ -16,9 +16,19 @@ from .files import RunDirLock, atomic_write_text, save_final_weights
 from .state import Parts, Position, regroup
 from .store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "Checkpointer", "Parts",
-           "Position", "RunDirLock", "atomic_write_text", "resume_geometry", "save_final_weights",
-           "truncate_metrics"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "Checkpointer",
+    "Parts",
+    "Position",
+    "RunDirLock",
+    "atomic_write_text",
+    "resume_geometry",
+    "save_final_weights",
+    "truncate_metrics",
+]
 
 
 def restart_count() -> int:
@@ -95,7 +105,7 @@ class Checkpointer:
         if error is None:
             try:
                 meta = save(self.store.partial_path(step), self.parts, position)
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, I/O errors
+            except (Exception, CheckpointException) as exc:
                 error = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
             error = first_error(error)
         checkpoint = Checkpoint(step, self.store.root / f"step-{step}")
@@ -110,8 +120,10 @@ class Checkpointer:
                 self.store.abandon(step)
             newest = self.store.newest()
             kept = f"; {newest.name} is intact" if newest else ""
-            raise CheckpointError(f"could not write checkpoint step-{step} in {self.store.root}: {error}"
-                                  f"{kept}; free space or choose another run.dir")
+            raise CheckpointError(
+                f"could not write checkpoint step-{step} in {self.store.root}: {error}"
+                f"{kept}; free space or choose another run.dir"
+            )
         self.last_saved_step = step
         return checkpoint
 
@@ -123,15 +135,19 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
         raise CheckpointError(
             f"run.dir {store.root.parent} already holds checkpoints (newest {newest.name}); continue "
             f"that run with --resume (or checkpoint.resume=auto), replace it with run.overwrite=true, or choose "
-            f"another run.dir")
+            f"another run.dir"
+        )
     if mode == "yes" and newest is None:
-        raise CheckpointError(f"--resume: {store.root} holds no complete checkpoint to continue from (the run "
-                              f"stopped before its first); start afresh with run.overwrite=true instead of --resume")
+        raise CheckpointError(
+            f"--resume: {store.root} holds no complete checkpoint to continue from (the run "
+            f"stopped before its first); start afresh with run.overwrite=true instead of --resume"
+        )
     return newest if mode != "no" else None
 
 
-def resume_geometry(config: CheckpointConfig, run_dir: Path, fresh: bool = False,
-                    verify: bool = False) -> tuple[str, int, int] | None:
+def resume_geometry(
+    config: CheckpointConfig, run_dir: Path, fresh: bool = False, verify: bool = False
+) -> tuple[str, int, int] | None:
     """(name, world size, samples per process per step) of the checkpoint a run would continue from,
     read from its marker without touching anything (`verify`: every file checked against it too);
     None for a fresh start, or a marker the resume itself will judge."""
@@ -153,8 +169,9 @@ def resume_geometry(config: CheckpointConfig, run_dir: Path, fresh: bool = False
     return checkpoint.name, meta.get("world_size", 1), meta.get("samples_per_step", 0)
 
 
-def preflight(config: Config, run_dir: Path, world_size: int, global_order: bool | None,
-              fresh: bool = False) -> str | None:
+def preflight(
+    config: Config, run_dir: Path, world_size: int, global_order: bool | None, fresh: bool = False
+) -> str | None:
     """What the launcher can refuse before starting workers: a resume that cannot happen, a damaged
     checkpoint, one whose global batches this world cannot take (see `regroup`). The checkpoint the run
     will continue from (None: a fresh start). `fresh`: the run starts afresh whatever run.dir holds."""
@@ -163,8 +180,15 @@ def preflight(config: Config, run_dir: Path, world_size: int, global_order: bool
         return None
     name, saved_world, saved_per_rank = saved
     if saved_per_rank:  # markers before 0.3 did not say; the workers check the checkpoint itself
-        regroup(name, saved_world, saved_per_rank, world_size, config.data.batch_size,
-                config.training.grad_accum_steps, global_order)
+        regroup(
+            name,
+            saved_world,
+            saved_per_rank,
+            world_size,
+            config.data.batch_size,
+            config.training.grad_accum_steps,
+            global_order,
+        )
     return name
 
 

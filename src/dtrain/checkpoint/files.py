@@ -9,8 +9,8 @@ import socket
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -94,8 +94,11 @@ def manifest_names(folder: Path) -> list[str]:
 
 def manifest(folder: Path) -> dict[str, dict[str, int]]:
     """Size and CRC-32 of every file under `folder` (relative paths)."""
-    return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": crc32(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def verify(folder: Path, expected: dict[str, dict[str, int]]) -> str | None:
@@ -137,8 +140,10 @@ class RunDirLock:
         try:  # never through a symlink: the lock's content would land in whatever file it points to
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # less the umask
         except OSError as exc:
-            raise DtrainError(f"{self.path} cannot be used as the run's lock ({exc.strerror}: a symlink or not "
-                              f"a file?); move it, or choose another run.dir") from None
+            raise DtrainError(
+                f"{self.path} cannot be used as the run's lock ({exc.strerror}: a symlink or not "
+                f"a file?); move it, or choose another run.dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -146,8 +151,12 @@ class RunDirLock:
             os.close(fd)
             raise error from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            ).encode(),
+        )
         self._fd = fd
 
     def check_free(self) -> None:
@@ -163,8 +172,10 @@ class RunDirLock:
             os.close(fd)
 
     def _in_use(self, fd: int) -> DtrainError:
-        return DtrainError(f"run.dir {self.path.parent} is in use by another run ({_read_holder(fd)}); "
-                           f"wait for it to finish or choose another run.dir")
+        return DtrainError(
+            f"run.dir {self.path.parent} is in use by another run ({_read_holder(fd)}); "
+            f"wait for it to finish or choose another run.dir"
+        )
 
     def release(self, remove_if_created: bool = False) -> None:
         """Drop the lock; on a refused start, also remove a run.dir this lock created (and nothing

@@ -56,24 +56,34 @@ def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> 
         return None
     what = ", ".join(f"{key} = {saved[key]!r} there and {now[key]!r} here" for key in changed)
     keep = " ".join(f"{key}={saved[key]}" for key in changed if "." in key)
-    return (f"checkpoint {name} was trained with {what}: " + _WHY.get(changed[0], "") + "resume with "
-            + (f"{keep}, " if keep else "the same data, ") + "or start afresh (run.overwrite=true)")
+    return (
+        f"checkpoint {name} was trained with {what}: "
+        + _WHY.get(changed[0], "")
+        + "resume with "
+        + (f"{keep}, " if keep else "the same data, ")
+        + "or start afresh (run.overwrite=true)"
+    )
 
 
-_WHY = {"optimizer.name": "its optimizer state does not carry over to another optimizer; ",
-        "run.seed": "the data order of the epoch in progress depends on it; ",
-        "data.name": "its position in the data means nothing in other data; ",
-        "training samples": "its position in the data means nothing in other data; "}
+_WHY = {
+    "optimizer.name": "its optimizer state does not carry over to another optimizer; ",
+    "run.seed": "the data order of the epoch in progress depends on it; ",
+    "data.name": "its position in the data means nothing in other data; ",
+    "training samples": "its position in the data means nothing in other data; ",
+}
 
 
 def world_size_mismatch(name: str, saved: int, now: int) -> str:
-    return (f"checkpoint {name} was written by {saved} process{'es' if saved != 1 else ''} and this run has {now}; "
-            f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
-            f"(token data, data.name=tokens, resumes on any number), or start a new run.dir")
+    return (
+        f"checkpoint {name} was written by {saved} process{'es' if saved != 1 else ''} and this run has {now}; "
+        f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
+        f"(token data, data.name=tokens, resumes on any number), or start a new run.dir"
+    )
 
 
-def regroup(name: str, saved_world: int, saved_per_rank: int, world: int, batch_size: int, accum: int,
-            global_order: bool | None) -> int:
+def regroup(
+    name: str, saved_world: int, saved_per_rank: int, world: int, batch_size: int, accum: int, global_order: bool | None
+) -> int:
     """The `training.grad_accum_steps` with which this run (`world` processes, `batch_size` each) resumes
     checkpoint `name` — taken by `saved_world` processes with `saved_per_rank` samples each per step —
     taking the same global batches; or a CheckpointError saying why it cannot.
@@ -91,9 +101,13 @@ def regroup(name: str, saved_world: int, saved_per_rank: int, world: int, batch_
         raise CheckpointError(
             f"checkpoint {name} trained on global batches of {global_batch} samples ({processes(saved_world)} × "
             f"{saved_per_rank}); {processes(world)} with data.batch_size={batch_size} cannot make that up in "
-            f"whole accumulation steps: " + (f"set data.batch_size to a divisor of {global_batch // world}, such as "
-                                             f"{', '.join(map(str, fits[-4:]))}" if fits else
-                                             f"resume with a number of processes that divides {global_batch}"))
+            f"whole accumulation steps: "
+            + (
+                f"set data.batch_size to a divisor of {global_batch // world}, such as {', '.join(map(str, fits[-4:]))}"
+                if fits
+                else f"resume with a number of processes that divides {global_batch}"
+            )
+        )
     return global_batch // (batch_size * world)
 
 

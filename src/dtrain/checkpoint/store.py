@@ -113,17 +113,24 @@ class CheckpointStore:
         try:
             meta = checkpoint.meta()
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
-                                  f"{checkpoint.path} to resume from an earlier checkpoint") from None
+            raise CheckpointError(
+                f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
+                f"{checkpoint.path} to resume from an earlier checkpoint"
+            ) from None
         problem = marker_problem(meta, checkpoint.step)
         if problem:
-            raise CheckpointError(f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
-                                  f"{checkpoint.path} to resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
+                f"{checkpoint.path} to resume from an earlier checkpoint"
+            )
         problem = verify(checkpoint.path, meta["files"])
         if problem:
             earlier = [c.name for c in self.complete() if c.step < checkpoint.step]
-            fix = (f"delete {checkpoint.path} to resume from {earlier[-1]}" if earlier
-                   else f"delete {checkpoint.path} to start over")
+            fix = (
+                f"delete {checkpoint.path} to resume from {earlier[-1]}"
+                if earlier
+                else f"delete {checkpoint.path} to start over"
+            )
             raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {fix}")
         return meta
 
@@ -143,8 +150,10 @@ def marker_problem(meta: Any, step: int) -> str | None:
         return f"samples_per_step {per_rank!r}"
     files = meta.get("files")
     if not isinstance(files, dict) or not all(
-            isinstance(entry, dict) and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
-                                            for k in ("bytes", "crc32")) for entry in files.values()):
+        isinstance(entry, dict)
+        and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool) for k in ("bytes", "crc32"))
+        for entry in files.values()
+    ):
         return "its file list is malformed"
     return None
 

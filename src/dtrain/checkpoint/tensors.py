@@ -58,8 +58,11 @@ def save(folder: Path, parts: Parts, position: Position) -> dict[str, Any]:
     # DCP keys each tensor by its path in this nested dict ("model.<fqn>", "optimizer.state.<fqn>.<name>")
     # and writes each once: DDP's replicas are deduplicated, FSDP's shards written by their owners.
     with _one_process_is_intended():
-        dcp.save({"model": model_state, "optimizer": {"state": tensors}},
-                 storage_writer=FileSystemWriter(folder / TENSORS), no_dist=parts.world_size == 1)
+        dcp.save(
+            {"model": model_state, "optimizer": {"state": tensors}},
+            storage_writer=FileSystemWriter(folder / TENSORS),
+            no_dist=parts.world_size == 1,
+        )
     _save_rng(folder / f"rng-rank{parts.rank}.safetensors", _device_of(parts.module))
     meta = {
         "step": position.step,
@@ -86,8 +89,7 @@ def load(folder: Path, parts: Parts) -> Position:
     """Put checkpoint `folder` back into `parts` (every rank calls it); refuses what would not fit."""
     for name in (TRAINER, f"{TENSORS}/.metadata"):
         if not (folder / name).is_file():
-            raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier "
-                                  f"checkpoint")
+            raise CheckpointError(f"{folder / name} is missing; delete {folder} to resume from an earlier checkpoint")
     try:
         trainer = json.loads((folder / TRAINER).read_text())
     except (ValueError, UnicodeDecodeError) as exc:
@@ -95,12 +97,16 @@ def load(folder: Path, parts: Parts) -> Position:
     else:
         problem = _trainer_problem(trainer)
     if problem:
-        raise CheckpointError(f"{folder / TRAINER} is not what dtrain writes: {problem}; delete {folder} to "
-                              f"resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{folder / TRAINER} is not what dtrain writes: {problem}; delete {folder} to "
+            f"resume from an earlier checkpoint"
+        )
     if folder.name != f"step-{trainer['step']}":
-        raise CheckpointError(f"{folder / TRAINER} says step {trainer['step']} and its folder is {folder.name}: it "
-                              f"was edited or copied from another checkpoint; delete {folder} to resume from an "
-                              f"earlier checkpoint")
+        raise CheckpointError(
+            f"{folder / TRAINER} says step {trainer['step']} and its folder is {folder.name}: it "
+            f"was edited or copied from another checkpoint; delete {folder} to resume from an "
+            f"earlier checkpoint"
+        )
     problem = identity_mismatch(folder.name, trainer.get("identity") or {}, parts.identity)
     if problem:
         raise CheckpointError(problem)
@@ -126,23 +132,28 @@ def load(folder: Path, parts: Parts) -> Position:
         held = {name: tensor for name, tensor in values.items() if layout.optimizer_key(fqn, name) in saved}
         if held and len(held) < len(values):  # all of a parameter's state, or (never updated) none
             missing = sorted(set(values) - set(held))[0]
-            raise CheckpointError(f"checkpoint {folder.name} holds part of the optimizer state of '{fqn}' (no "
-                                  f"'{missing}'): damaged, or written for another optimizer; delete {folder} to "
-                                  f"resume from an earlier checkpoint, or start a new run.dir")
+            raise CheckpointError(
+                f"checkpoint {folder.name} holds part of the optimizer state of '{fqn}' (no "
+                f"'{missing}'): damaged, or written for another optimizer; delete {folder} to "
+                f"resume from an earlier checkpoint, or start a new run.dir"
+            )
         if held:
             optim_tensors[fqn] = held
     saved_optimizer = any(layout.is_optimizer(key) for key in saved)  # none: saved before any update
     with _one_process_is_intended():
         try:
-            dcp.load(layout.state(model_state, optim_tensors), storage_reader=reader,
-                     no_dist=parts.world_size == 1)  # in place
+            dcp.load(
+                layout.state(model_state, optim_tensors), storage_reader=reader, no_dist=parts.world_size == 1
+            )  # in place
         except (dcp.CheckpointException, RuntimeError, KeyError, ValueError, OSError, EOFError) as exc:
             # The model's names and shapes matched: its tensor files are damaged (yet sealed to match), or
             # its optimizer state is not this run's optimizer's.
-            raise CheckpointError(f"checkpoint {folder.name}'s tensors in {folder / TENSORS} cannot be read into "
-                                  f"this run ({describe_failure(exc)}): damaged, or written for another optimizer; "
-                                  f"delete {folder} to resume from an earlier checkpoint, or start a new "
-                                  f"run.dir") from None
+            raise CheckpointError(
+                f"checkpoint {folder.name}'s tensors in {folder / TENSORS} cannot be read into "
+                f"this run ({describe_failure(exc)}): damaged, or written for another optimizer; "
+                f"delete {folder} to resume from an earlier checkpoint, or start a new "
+                f"run.dir"
+            ) from None
 
     groups = trainer["optimizer"]["param_groups"]
     for saved_group, live in zip(groups, parts.optimizer.param_groups):
@@ -155,21 +166,31 @@ def load(folder: Path, parts: Parts) -> Position:
     try:
         # Not strict: a parameter that never had a gradient has no optimizer state to set (the model's
         # keys and shapes were checked above, by _check_model).
-        set_state_dict(parts.module, parts.optimizer, model_state_dict=model_state,
-                       optim_state_dict={"state": entries, "param_groups": groups},
-                       options=StateDictOptions(strict=False))
+        set_state_dict(
+            parts.module,
+            parts.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict={"state": entries, "param_groups": groups},
+            options=StateDictOptions(strict=False),
+        )
         if not saved_optimizer:
             parts.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
         parts.scheduler.load_state_dict(trainer["scheduler"])
         if trainer.get("scaler"):
             parts.scaler.load_state_dict(trainer["scaler"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {folder.name} does not fit this run's optimizer or schedule "
-                              f"({type(exc).__name__}: {exc}); delete {folder} to resume from an earlier checkpoint, "
-                              f"or start a new run.dir") from None
+        raise CheckpointError(
+            f"checkpoint {folder.name} does not fit this run's optimizer or schedule "
+            f"({type(exc).__name__}: {exc}); delete {folder} to resume from an earlier checkpoint, "
+            f"or start a new run.dir"
+        ) from None
     _load_rng(rng, _device_of(parts.module))
-    return Position(step=trainer["step"], epoch=trainer["epoch"],
-                    unscheduled_skips=trainer.get("unscheduled_skips", 0), setup=trainer.get("setup", {}))
+    return Position(
+        step=trainer["step"],
+        epoch=trainer["epoch"],
+        unscheduled_skips=trainer.get("unscheduled_skips", 0),
+        setup=trainer.get("setup", {}),
+    )
 
 
 PerParameter = dict[str, dict[str, Any]]  # an optimizer's state: {parameter fqn: {name: value}}
@@ -197,7 +218,7 @@ class _Layout:
         self.model_prefix = "model/" if flat else "model."
 
     @classmethod
-    def of(cls, saved: dict[str, Any]) -> "_Layout":
+    def of(cls, saved: dict[str, Any]) -> _Layout:
         return cls(flat=any(key.startswith("model/") for key in saved))
 
     def is_optimizer(self, key: str) -> bool:
@@ -211,8 +232,9 @@ class _Layout:
         if not self.flat:
             return {"model": model, "optimizer": {"state": optim}}
         flat = {f"model/{key}": value for key, value in model.items()}
-        flat.update({self.optimizer_key(fqn, name): value
-                     for fqn, values in optim.items() for name, value in values.items()})
+        flat.update(
+            {self.optimizer_key(fqn, name): value for fqn, values in optim.items() for name, value in values.items()}
+        )
         return flat
 
 
@@ -226,19 +248,28 @@ def _trainer_problem(trainer: Any) -> str | None:
         if not (isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**53):
             return f"{key} is {value!r}, not a whole number >= {least}"
     optimizer = trainer.get("optimizer")
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
-            and all(isinstance(entry, dict) for entry in optimizer["state"].values())
-            and isinstance(optimizer.get("param_groups"), list)
-            and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+    if not (
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("state"), dict)
+        and all(isinstance(entry, dict) for entry in optimizer["state"].values())
+        and isinstance(optimizer.get("param_groups"), list)
+        and all(isinstance(g, dict) for g in optimizer["param_groups"])
+    ):
         return "its optimizer entry is malformed"
     for key in ("scheduler", "scaler", "identity", "setup"):
         if not isinstance(trainer.get(key, {}), dict):
             return f"its {key} entry is not an object"
     for group in optimizer["param_groups"]:
         for key, value in group.items():
-            if key != "params" and not (value is None or isinstance(value, bool) or _rate(value) or (
-                    isinstance(value, list) and value and all(_rate(v) for v in value))):
-                return f"optimizer setting {key} is {value!r}, not a finite number >= 0, true/false or a list of numbers"
+            if key != "params" and not (
+                value is None
+                or isinstance(value, bool)
+                or _rate(value)
+                or (isinstance(value, list) and value and all(_rate(v) for v in value))
+            ):
+                return (
+                    f"optimizer setting {key} is {value!r}, not a finite number >= 0, true/false or a list of numbers"
+                )
     scheduler = trainer.get("scheduler", {})
     for key in ("last_epoch", "_step_count"):
         value = scheduler.get(key, 0)
@@ -269,29 +300,37 @@ def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None
     `regroup`, or refused)."""
     saved_world, saved_per_rank = trainer["world_size"], trainer["samples_per_step"]
     if saved_world * saved_per_rank != parts.world_size * parts.samples_per_step:
-        raise CheckpointError(f"checkpoint {folder.name} trained on global batches of "
-                              f"{saved_world * saved_per_rank} samples and this run takes "
-                              f"{parts.world_size * parts.samples_per_step}; resume with the same global batch "
-                              f"(processes × data.batch_size × training.grad_accum_steps), or start a new run.dir")
+        raise CheckpointError(
+            f"checkpoint {folder.name} trained on global batches of "
+            f"{saved_world * saved_per_rank} samples and this run takes "
+            f"{parts.world_size * parts.samples_per_step}; resume with the same global batch "
+            f"(processes × data.batch_size × training.grad_accum_steps), or start a new run.dir"
+        )
 
 
 def _check_model(folder: Path, saved: dict[str, Any], model_state: dict[str, Any], layout: _Layout) -> None:
     prefix = layout.model_prefix
-    saved_model = {k[len(prefix):]: item for k, item in saved.items() if k.startswith(prefix)}
+    saved_model = {k[len(prefix) :]: item for k, item in saved.items() if k.startswith(prefix)}
     for key, tensor in model_state.items():
         item = saved_model.get(key)
         if item is None:
-            raise CheckpointError(f"checkpoint {folder.name} has no '{key}' for this run's model; resume "
-                                  f"with the model the checkpoint was trained with, or start a new run.dir")
+            raise CheckpointError(
+                f"checkpoint {folder.name} has no '{key}' for this run's model; resume "
+                f"with the model the checkpoint was trained with, or start a new run.dir"
+            )
         if not isinstance(item, TensorStorageMetadata) or list(item.size) != list(tensor.shape):
             shape = list(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
-            raise CheckpointError(f"checkpoint {folder.name} holds '{key}' of shape {shape} and this run's "
-                                  f"model has {list(tensor.shape)}; resume with the model settings the "
-                                  f"checkpoint was trained with, or start a new run.dir")
+            raise CheckpointError(
+                f"checkpoint {folder.name} holds '{key}' of shape {shape} and this run's "
+                f"model has {list(tensor.shape)}; resume with the model settings the "
+                f"checkpoint was trained with, or start a new run.dir"
+            )
     extra = sorted(set(saved_model) - set(model_state))
     if extra:
-        raise CheckpointError(f"checkpoint {folder.name} holds '{extra[0]}', which this run's model lacks; "
-                              f"resume with the same model, or start a new run.dir")
+        raise CheckpointError(
+            f"checkpoint {folder.name} holds '{extra[0]}', which this run's model lacks; "
+            f"resume with the same model, or start a new run.dir"
+        )
 
 
 # --- RNG states -----------------------------------------------------------------------------------
@@ -313,8 +352,10 @@ def _save_rng(path: Path, device: torch.device) -> None:
     }
     if device.type == "cuda":
         tensors["cuda"] = torch.cuda.get_rng_state(device)
-    metadata = {"numpy": json.dumps([np_kind, np_pos, np_has_gauss, np_gauss]),
-                "python": json.dumps([py_version, py_gauss])}
+    metadata = {
+        "numpy": json.dumps([np_kind, np_pos, np_has_gauss, np_gauss]),
+        "python": json.dumps([py_version, py_gauss]),
+    }
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, user_file_mode())  # safetensors writes 0600
     fsync_file(path)
@@ -328,8 +369,7 @@ def _load_rng(path: Path, device: torch.device) -> None:
         metadata = fh.metadata()
     torch.set_rng_state(tensors["torch"])
     np_kind, np_pos, np_has_gauss, np_gauss = json.loads(metadata["numpy"])
-    np.random.set_state((np_kind, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss,
-                         np_gauss))
+    np.random.set_state((np_kind, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     py_version, py_gauss = json.loads(metadata["python"])
     random.setstate((py_version, tuple(tensors["python_state"].tolist()), py_gauss))
     # Checkpoints before 0.2 kept every visible GPU's state as cuda_<i>.
@@ -339,6 +379,7 @@ def _load_rng(path: Path, device: torch.device) -> None:
 
 
 # --- reading DCP's metadata without unrestricted pickle ------------------------------------------------
+
 
 def _torch_reconstructors() -> set[Any]:
     """The functions torch registers to rebuild its layouts and memory formats from a pickle (found
@@ -364,8 +405,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     _rebuild = _torch_reconstructors()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _PLAIN or module == "torch" and isinstance(
-                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if (
+            (module, name) in _PLAIN
+            or (module == "torch"
+            and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+        ):
             return super().find_class(module, name)
         if module == "torch.distributed.checkpoint" or module.startswith("torch.distributed.checkpoint."):
             found = getattr(sys.modules.get(module), name, None)  # only modules DCP has already imported
@@ -396,9 +440,11 @@ class SafeReader(FileSystemReader):
                 name = getattr(where, "relative_path", None)
                 if not (isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")):
                     raise ValueError(f"it points at {name!r}, outside {path.parent}")
-        except Exception as exc:  # noqa: BLE001 - whatever the bytes make the unpickler do: not trusted
-            raise CheckpointError(f"{path} is not DCP metadata dtrain can trust ({exc}); delete "
-                                  f"{path.parent.parent} to resume from an earlier checkpoint") from None
+        except Exception as exc:
+            raise CheckpointError(
+                f"{path} is not DCP metadata dtrain can trust ({exc}); delete "
+                f"{path.parent.parent} to resume from an earlier checkpoint"
+            ) from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -8,8 +8,8 @@ its samples and tokens (from shapes alone: no host sync), and to find its target
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -28,7 +28,7 @@ def _is_dataclass_instance(obj: Any) -> bool:
 def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:
     try:
         return type(like)(items)  # dict, OrderedDict, BatchEncoding, UserDict ...
-    except Exception:  # noqa: BLE001 - a mapping type that cannot be built from a dict
+    except Exception:
         return items
 
 
@@ -43,8 +43,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(v, fn) for v in obj)
     if _is_dataclass_instance(obj):
-        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(
+            obj, **{f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        )
     return obj
 
 
@@ -66,8 +67,10 @@ def collate(samples: Sequence[Any]) -> Any:
     numbers, arrays, dicts, namedtuples, tuples, nested)."""
     first = samples[0]
     if _is_dataclass_instance(first):
-        return dataclasses.replace(first, **{f.name: collate([getattr(s, f.name) for s in samples])
-                                             for f in dataclasses.fields(first) if f.init})
+        return dataclasses.replace(
+            first,
+            **{f.name: collate([getattr(s, f.name) for s in samples]) for f in dataclasses.fields(first) if f.init},
+        )
     if isinstance(first, Mapping) and any(_is_dataclass_instance(v) for v in first.values()):
         return _rebuild_mapping(first, {k: collate([s[k] for s in samples]) for k in first})
     return default_collate(samples)

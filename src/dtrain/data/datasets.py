@@ -64,8 +64,7 @@ def check(config: Config, world_size: int = 1) -> None:
     if data.name == "mnist":
         mnist.load(data.path)
     if data.name == "tokens":
-        tokens.check_block_size(tokens.read_meta(data.path), data.block_size, data.path, world_size,
-                                data.batch_size)
+        tokens.check_block_size(tokens.read_meta(data.path), data.block_size, data.path, world_size, data.batch_size)
 
 
 def prepare(config: Config) -> None:
@@ -103,16 +102,21 @@ def _mnist(data: DataConfig) -> DataSplits:
     if mnist.find_files(data.path) is None and data.download:
         mnist.download(data.path)
     (train_x, train_y), (test_x, test_y) = mnist.load(data.path)
-    return DataSplits(TensorDataset(train_x, train_y), TensorDataset(test_x, test_y),
-                      input_shape=(1, 28, 28), num_classes=10)
+    return DataSplits(
+        TensorDataset(train_x, train_y), TensorDataset(test_x, test_y), input_shape=(1, 28, 28), num_classes=10
+    )
 
 
 def _tokens(data: DataConfig) -> DataSplits:
     meta = tokens.read_meta(data.path)
     train = tokens.TokenWindows(data.path, "train", data.block_size, meta)
     val = tokens.TokenWindows(data.path, "val", data.block_size, meta) if "val" in meta["splits"] else None
-    return DataSplits(train, val if val is not None and len(val) else None, input_shape=(data.block_size,),
-                      num_classes=meta["vocab_size"])
+    return DataSplits(
+        train,
+        val if val is not None and len(val) else None,
+        input_shape=(data.block_size,),
+        num_classes=meta["vocab_size"],
+    )
 
 
 def _synthetic(data: DataConfig, seed: int) -> DataSplits:
@@ -137,23 +141,30 @@ def _from_factory(config: Config) -> DataSplits:
         _check_dataset(name, "its eval set", ev)
     try:
         input_shape = infer_input_shape(train)
-    except Exception as exc:  # noqa: BLE001 - whatever the user's __getitem__ or sample raises
-        raise DataError(f"data.name = '{name}': its first training sample cannot be read as (input, label) "
-                        f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:
+        raise DataError(
+            f"data.name = '{name}': its first training sample cannot be read as (input, label) "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     return DataSplits(train, ev, input_shape=input_shape, num_classes=infer_num_classes(train, config.data.num_classes))
 
 
 def _check_dataset(name: str, what: str, dataset: Any) -> None:
     """A map-style dataset: indexable and sized (a str or a dict is neither), and not empty."""
-    usable = (isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__")) and hasattr(dataset, "__len__") \
+    usable = (
+        (isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"))
+        and hasattr(dataset, "__len__")
         and not isinstance(dataset, (str, bytes, dict))
+    )
     if not usable:
-        raise DataError(f"data.name = '{name}' returned {type(dataset).__name__} as {what}; it must return a "
-                        f"map-style Dataset (with __getitem__ and __len__), (train, eval) or "
-                        f"{{'train': ..., 'eval': ...}}")
+        raise DataError(
+            f"data.name = '{name}' returned {type(dataset).__name__} as {what}; it must return a "
+            f"map-style Dataset (with __getitem__ and __len__), (train, eval) or "
+            f"{{'train': ..., 'eval': ...}}"
+        )
     try:
         size = len(dataset)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise DataError(f"data.name = '{name}': len() of {what} failed ({type(exc).__name__}: {exc})") from None
     if size == 0:
         raise DataError(f"data.name = '{name}' returned an empty dataset as {what}")

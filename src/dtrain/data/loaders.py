@@ -11,7 +11,8 @@ that step consumes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -27,16 +28,24 @@ Collate = Callable[[list[Any]], Any]
 class TrainBatches:
     """One rank's training batches: `epoch(e)` yields a list of micro-batches per optimizer step."""
 
-    def __init__(self, dataset: Dataset, sampler: ShardSampler, data: DataConfig, grad_accum_steps: int,
-                 device: torch.device, collate_fn: Collate | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: ShardSampler,
+        data: DataConfig,
+        grad_accum_steps: int,
+        device: torch.device,
+        collate_fn: Collate | None = None,
+    ):
         self.sampler = sampler
         self.batch_size = data.batch_size
         self.accum = grad_accum_steps
         self.drop_last = data.drop_last
         self.device = device
         per_rank = sampler.num_samples
-        self.micro_batches_per_epoch = (per_rank // self.batch_size if self.drop_last
-                                        else math.ceil(per_rank / self.batch_size))
+        self.micro_batches_per_epoch = (
+            per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+        )
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / self.accum)
         self._source = _source_for(dataset, data, device, collate_fn)
 
@@ -61,14 +70,22 @@ class TrainBatches:
 class EvalBatches:
     """One rank's evaluation batches: each held-out sample on exactly one rank, none padded in."""
 
-    def __init__(self, dataset: Dataset, rank: int, world_size: int, data: DataConfig,
-                 device: torch.device, collate_fn: Collate | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        rank: int,
+        world_size: int,
+        data: DataConfig,
+        device: torch.device,
+        collate_fn: Collate | None = None,
+    ):
         self.indices = eval_shard(len(dataset), rank, world_size)
         self.batch_size = data.eval_batch_size
         # Rank 0's shard is the largest: every rank can tell how many batches the busiest one runs.
         self.most_batches = math.ceil(math.ceil(len(dataset) / world_size) / self.batch_size)
         self._filler_source = lambda: _source_for(
-            _rows(dataset, torch.tensor([0])) if _tensor_backed(dataset) else dataset, data, device, collate_fn)
+            _rows(dataset, torch.tensor([0])) if _tensor_backed(dataset) else dataset, data, device, collate_fn
+        )
         if _tensor_backed(dataset):
             # This rank only ever reads its own shard: only that is copied to the device.
             self._source = _TensorSource(_rows(dataset, self.indices), data.on_device, device)
@@ -178,8 +195,13 @@ class _LoaderSource:
             sampler = IndexSampler(indices)
             # Its own generator: creating an iterator draws a seed from it, and drawn from the global RNG
             # that would shift dropout's numbers by one after every resume (and every eval).
-            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=sampler,
-                                generator=torch.Generator().manual_seed(0), **self.options)
+            loader = DataLoader(
+                self.dataset,
+                batch_size=batch_size,
+                sampler=sampler,
+                generator=torch.Generator().manual_seed(0),
+                **self.options,
+            )
             self._loaders[batch_size] = (loader, sampler)
         loader, sampler = self._loaders[batch_size]
         sampler.indices = indices

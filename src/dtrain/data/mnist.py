@@ -48,8 +48,10 @@ def find_files(root: str | Path) -> dict[str, Path] | None:
 
 
 def missing_files_message(root: str | Path) -> str:
-    return (f"data.path = '{root}' does not hold the MNIST IDX files ({', '.join(FILES.values())}, "
-            f"plain or .gz); put them there or set data.download=true")
+    return (
+        f"data.path = '{root}' does not hold the MNIST IDX files ({', '.join(FILES.values())}, "
+        f"plain or .gz); put them there or set data.download=true"
+    )
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -59,19 +61,21 @@ def read_idx(path: Path) -> np.ndarray:
         with opener(path, "rb") as fh:
             raw = fh.read()
     except (OSError, EOFError) as exc:
-        raise DataError(f"cannot read {path}: {exc}; replace the file (or delete it and set "
-                        f"data.download=true)") from None
+        raise DataError(
+            f"cannot read {path}: {exc}; replace the file (or delete it and set data.download=true)"
+        ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataError(f"{path} is not an IDX file (bad header); replace it with the original "
-                        f"MNIST file")
+        raise DataError(f"{path} is not an IDX file (bad header); replace it with the original MNIST file")
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     offset = 4 + 4 * ndim
     expected = int(np.prod(dims)) * dtype.itemsize
     if len(raw) - offset != expected:
-        raise DataError(f"{path} is truncated or corrupt: header promises {expected} bytes of data, "
-                        f"found {len(raw) - offset}; replace the file")
+        raise DataError(
+            f"{path} is truncated or corrupt: header promises {expected} bytes of data, "
+            f"found {len(raw) - offset}; replace the file"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
 
 
@@ -92,16 +96,17 @@ def load(root: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[tor
         if arr.ndim != 1:
             raise DataError(f"{files[key]} holds {arr.ndim}-D data; MNIST labels are one number per image")
         if len(arr) and (arr.min() < 0 or arr.max() > 9):
-            raise DataError(f"{files[key]} holds label {int(arr.max() if arr.max() > 9 else arr.min())}; MNIST "
-                            f"labels are the digits 0-9 (a file of another data set?)")
+            raise DataError(
+                f"{files[key]} holds label {int(arr.max() if arr.max() > 9 else arr.min())}; MNIST "
+                f"labels are the digits 0-9 (a file of another data set?)"
+            )
         return torch.from_numpy(arr.astype(np.int64))
 
     train = images("train_images"), labels("train_labels")
     test = images("test_images"), labels("test_labels")
     for (x, y), key in ((train, "train_labels"), (test, "test_labels")):
         if len(x) != len(y):
-            raise DataError(f"{files[key]} has {len(y)} labels for {len(x)} images; the files do "
-                            f"not belong together")
+            raise DataError(f"{files[key]} has {len(y)} labels for {len(x)} images; the files do not belong together")
     return train, test
 
 
@@ -130,8 +135,10 @@ def download(root: str | Path) -> None:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         else:
-            raise DataError(f"could not download {name} into {root} ({'; '.join(errors)}); "
-                            f"download the MNIST IDX files by hand into data.path")
+            raise DataError(
+                f"could not download {name} into {root} ({'; '.join(errors)}); "
+                f"download the MNIST IDX files by hand into data.path"
+            )
 
 
 def _md5(path: Path) -> str:

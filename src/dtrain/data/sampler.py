@@ -10,7 +10,7 @@ train, as MosaicML Streaming promises — so a run can later resume on another n
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler

@@ -36,8 +36,10 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} does not exist: data.path must be a folder made by `dtrain prepare text ... "
-                        f"--out {folder}` (or holding the same format)")
+        raise DataError(
+            f"{path} does not exist: data.path must be a folder made by `dtrain prepare text ... "
+            f"--out {folder}` (or holding the same format)"
+        )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -51,7 +53,11 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:
         raise bad(f"'dtype' must be one of {', '.join(DTYPES)}; got {meta.get('dtype')!r}")
     vocab = meta.get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 < vocab <= np.iinfo(DTYPES[meta["dtype"]]).max + 1:
+    if (
+        not isinstance(vocab, int)
+        or isinstance(vocab, bool)
+        or not 1 < vocab <= np.iinfo(DTYPES[meta["dtype"]]).max + 1
+    ):
         raise bad(f"'vocab_size' must be an integer from 2 to what {meta['dtype']} holds; got {vocab!r}")
     splits = meta.get("splits")
     if not isinstance(splits, dict) or "train" not in splits:
@@ -59,8 +65,13 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
     for name, split in splits.items():
         files, tokens = (split.get("files"), split.get("tokens")) if isinstance(split, dict) else (None, None)
-        if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f for f in files) \
-                or not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if (
+            not isinstance(files, list)
+            or not all(isinstance(f, str) and f and "/" not in f for f in files)
+            or not isinstance(tokens, int)
+            or isinstance(tokens, bool)
+            or tokens < 0
+        ):
             raise bad(f"split '{name}' needs 'files' (names in the folder) and 'tokens' (a count)")
         on_disk = 0
         for name_ in files:
@@ -69,8 +80,9 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
                 raise DataError(f"{file} is missing (listed in {path}); prepare the data again")
             size = file.stat().st_size
             if size % itemsize:
-                raise DataError(f"{file} is {size} bytes, not a whole number of {meta['dtype']} tokens; "
-                                f"prepare the data again")
+                raise DataError(
+                    f"{file} is {size} bytes, not a whole number of {meta['dtype']} tokens; prepare the data again"
+                )
             on_disk += size // itemsize
         if on_disk != tokens:
             raise bad(f"split '{name}' lists {tokens} tokens and its files hold {on_disk}")
@@ -93,8 +105,9 @@ class TokenWindows(Dataset):
         self.vocab_size = self.meta["vocab_size"]
         dtype = DTYPES[self.meta["dtype"]]
         files = self.meta["splits"][split]["files"]
-        self._maps = [np.memmap(self.folder / f, dtype=dtype, mode="r") for f in files
-                      if (self.folder / f).stat().st_size > 0]
+        self._maps = [
+            np.memmap(self.folder / f, dtype=dtype, mode="r") for f in files if (self.folder / f).stat().st_size > 0
+        ]
         counts = [max(0, (len(m) - 1) // block_size) for m in self._maps]
         self._starts = np.cumsum([0, *counts])  # window index where each file begins
 
@@ -120,9 +133,11 @@ class TokenWindows(Dataset):
             windows[rows] = self._maps[s][first[:, None] + offsets]
         if len(idx) and (windows.max() >= self.vocab_size or windows.min() < 0):
             bad = int(windows.max())
-            raise DataError(f"{self.folder}: a token id {bad} is outside the vocabulary (vocab_size "
-                            f"{self.vocab_size} in meta.json); the shards and meta.json do not belong together: "
-                            f"prepare the data again")
+            raise DataError(
+                f"{self.folder}: a token id {bad} is outside the vocabulary (vocab_size "
+                f"{self.vocab_size} in meta.json); the shards and meta.json do not belong together: "
+                f"prepare the data again"
+            )
         tokens = torch.from_numpy(windows)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -134,15 +149,18 @@ def windows_in(meta: dict[str, Any], split: str, block_size: int, folder: str | 
     return sum(max(0, (n - 1) // block_size) for n in sizes)
 
 
-def check_block_size(meta: dict[str, Any], block_size: int, folder: str | Path, world_size: int,
-                     batch_size: int) -> None:
+def check_block_size(
+    meta: dict[str, Any], block_size: int, folder: str | Path, world_size: int, batch_size: int
+) -> None:
     """Enough windows of data.block_size + 1 tokens for one global batch."""
     n = windows_in(meta, "train", block_size, folder)
     need = batch_size * world_size
     if n < need:
-        raise DataError(f"data.path = '{folder}' holds {n} training windows of data.block_size + 1 = {block_size + 1} "
-                        f"tokens, fewer than one global batch ({need} = data.batch_size × {world_size} "
-                        f"processes); lower data.block_size or data.batch_size, or prepare more text")
+        raise DataError(
+            f"data.path = '{folder}' holds {n} training windows of data.block_size + 1 = {block_size + 1} "
+            f"tokens, fewer than one global batch ({need} = data.batch_size × {world_size} "
+            f"processes); lower data.block_size or data.batch_size, or prepare more text"
+        )
 
 
 def keep_tokenizer(folder: str | Path, run_dir: Path) -> None:

@@ -47,14 +47,20 @@ def check_sharding(config: Config, world_size: int, local_world_size: int) -> st
     if name not in ("fsdp", "hsdp"):
         return None
     if config.training.precision == "fp16":
-        return (f"training.precision = 'fp16' needs a gradient scaler that knows the shards, which dtrain "
-                f"has only for distributed.strategy = 'ddp'; use training.precision=bf16 with '{name}'")
+        return (
+            f"training.precision = 'fp16' needs a gradient scaler that knows the shards, which dtrain "
+            f"has only for distributed.strategy = 'ddp'; use training.precision=bf16 with '{name}'"
+        )
     if dc.comm_hook != "none":
-        return (f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
-                f"reduces gradients itself: set distributed.comm_hook=none")
+        return (
+            f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
+            f"reduces gradients itself: set distributed.comm_hook=none"
+        )
     shard = dc.hsdp_shard_size or local_world_size
     if name == "hsdp" and world_size % shard:
-        return (f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
-                f"(distributed.hsdp_shard_size, default: the processes of one node) and {world_size} processes "
-                f"do not divide into them; set distributed.hsdp_shard_size to a divisor of {world_size}")
+        return (
+            f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
+            f"(distributed.hsdp_shard_size, default: the processes of one node) and {world_size} processes "
+            f"do not divide into them; set distributed.hsdp_shard_size to a divisor of {world_size}"
+        )
     return None

@@ -23,7 +23,8 @@ import logging
 import os
 import shutil
 import subprocess
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,15 +38,20 @@ def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool
     """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (FSDP's units).
     `quiet`: a rank other than 0, which need not repeat torch's warnings."""
     tc = config.training
-    needs_blocks = (config.distributed.strategy in ("fsdp", "hsdp") or tc.activation_checkpointing != "none"
-                    or tc.compile == "blocks")
+    needs_blocks = (
+        config.distributed.strategy in ("fsdp", "hsdp")
+        or tc.activation_checkpointing != "none"
+        or tc.compile == "blocks"
+    )
     blocks = find_blocks(module, config.distributed.fsdp_units) if needs_blocks else []
     wanted_blocks = tc.activation_checkpointing != "none" or tc.compile == "blocks"
     if wanted_blocks and not blocks:
-        raise ConfigError(f"training.activation_checkpointing and training.compile=blocks work block by block, "
-                          f"and {type(module).__name__} has no blocks dtrain can find (no _no_split_modules, no "
-                          f"nn.ModuleList): name its block class in distributed.fsdp_units"
-                          + ("" if tc.compile != "blocks" else ", or use training.compile=model"))
+        raise ConfigError(
+            f"training.activation_checkpointing and training.compile=blocks work block by block, "
+            f"and {type(module).__name__} has no blocks dtrain can find (no _no_split_modules, no "
+            f"nn.ModuleList): name its block class in distributed.fsdp_units"
+            + ("" if tc.compile != "blocks" else ", or use training.compile=model")
+        )
     if tc.activation_checkpointing != "none":
         for block in blocks:
             block.forward = _checkpointed(block.forward, tc.activation_checkpointing)
@@ -57,7 +63,7 @@ def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool
             # torch warns, on every rank, that a selectively checkpointed region must not hold in-place
             # ops: once is enough.
             logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
-        for target in (blocks if tc.compile == "blocks" else [module]):
+        for target in blocks if tc.compile == "blocks" else [module]:
             target.forward = torch.compile(target.forward)
     return blocks
 
@@ -69,23 +75,29 @@ def compiler_problem(device: torch.device | str) -> str | None:
         try:
             import triton  # noqa: F401
         except ImportError:
-            return ("training.compile needs Triton to build GPU kernels and it is not installed: "
-                    "pip install triton, or set training.compile=none")
+            return (
+                "training.compile needs Triton to build GPU kernels and it is not installed: "
+                "pip install triton, or set training.compile=none"
+            )
         return None
     cxx = os.environ.get("CXX", "g++")  # what inductor will run
     named = "(from CXX) " if "CXX" in os.environ else ""
     if not cxx.strip():
         return "training.compile needs a C++ compiler and CXX is set but empty: unset it or point it at g++"
     if shutil.which(cxx) is None:
-        return (f"training.compile needs a C++ compiler to build CPU code and '{cxx}' {named}is not on PATH: "
-                f"install g++ (or point CXX at one), or set training.compile=none")
+        return (
+            f"training.compile needs a C++ compiler to build CPU code and '{cxx}' {named}is not on PATH: "
+            f"install g++ (or point CXX at one), or set training.compile=none"
+        )
     try:
         works = subprocess.run([cxx, "--version"], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         works = False
     if not works:
-        return (f"training.compile needs a C++ compiler and '{cxx}' {named}does not run as one ({cxx} --version "
-                f"failed): point CXX at a working g++, or set training.compile=none")
+        return (
+            f"training.compile needs a C++ compiler and '{cxx}' {named}does not run as one ({cxx} --version "
+            f"failed): point CXX at a working g++, or set training.compile=none"
+        )
     return None
 
 
@@ -96,17 +108,26 @@ def find_blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
         blocks = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
         if not blocks and names:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
-            raise ConfigError(f"distributed.fsdp_units = {names} names no module of this model; its module "
-                              f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
+            raise ConfigError(
+                f"distributed.fsdp_units = {names} names no module of this model; its module "
+                f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}"
+            )
         containers = sorted({type(b).__name__ for b in blocks if type(b).forward is nn.Module.forward})
         if containers:  # a ModuleList's forward is never called: there is nothing to wrap
             inner = sorted({type(m).__name__ for b in blocks for m in b.children()})
-            raise ConfigError(f"distributed.fsdp_units names {', '.join(containers)}, a container whose forward is "
-                              f"never called; name the block class inside it ({', '.join(inner[:3]) or 'none'})")
+            raise ConfigError(
+                f"distributed.fsdp_units names {', '.join(containers)}, a container whose forward is "
+                f"never called; name the block class inside it ({', '.join(inner[:3]) or 'none'})"
+            )
         if blocks:
             return _outermost(blocks)
-    return [m for lists in module.modules() if isinstance(lists, nn.ModuleList) for m in lists
-            if any(True for _ in m.parameters())]
+    return [
+        m
+        for lists in module.modules()
+        if isinstance(lists, nn.ModuleList)
+        for m in lists
+        if any(True for _ in m.parameters())
+    ]
 
 
 def check_unshared(module: nn.Module, blocks: list[nn.Module]) -> None:
@@ -122,9 +143,11 @@ def check_unshared(module: nn.Module, blocks: list[nn.Module]) -> None:
             outside = [n for n in owners[id(param)] if not n.startswith(prefix)]
             if outside:
                 inside = next(n for n in owners[id(param)] if n.startswith(prefix))
-                raise ConfigError(f"distributed.fsdp_units makes {names[id(block)]} ({type(block).__name__}) a unit, and "
-                                  f"its {inside} is shared with {outside[0]} outside it (tied weights); name a "
-                                  f"block class that holds both, or leave distributed.fsdp_units empty")
+                raise ConfigError(
+                    f"distributed.fsdp_units makes {names[id(block)]} ({type(block).__name__}) a unit, and "
+                    f"its {inside} is shared with {outside[0]} outside it (tied weights); name a "
+                    f"block class that holds both, or leave distributed.fsdp_units empty"
+                )
 
 
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -135,8 +158,11 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """`forward` whose activations are recomputed in backward (all of them, or the cheap ones). The RNG
     state is replayed, so dropout draws the same masks: the result equals the plain forward's."""
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
-                  if mode == "selective" else None)
+    context_fn = (
+        functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
+        if mode == "selective"
+        else None
+    )
     options = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(forward)
@@ -148,11 +174,16 @@ def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
 
 _aten = torch.ops.aten
 # Outputs worth keeping: recomputing them costs a matrix multiplication or an attention.
-_EXPENSIVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-              _aten._scaled_dot_product_flash_attention.default,
-              _aten._scaled_dot_product_efficient_attention.default,
-              _aten._scaled_dot_product_cudnn_attention.default,
-              _aten._scaled_dot_product_flash_attention_for_cpu.default}
+_EXPENSIVE = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 
 def _keep_expensive_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

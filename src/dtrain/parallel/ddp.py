@@ -11,8 +11,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import (SharedMemoryAllReduce, TimedAllReduce, ddp_exposed_comm, register_compression_hook,
-                    shared_memory_hook, timed_allreduce_hook)
+from ..comm import (
+    SharedMemoryAllReduce,
+    TimedAllReduce,
+    ddp_exposed_comm,
+    register_compression_hook,
+    shared_memory_hook,
+    timed_allreduce_hook,
+)
 from ..config import DistributedConfig
 from ..distributed import Session
 from ..errors import DtrainError
@@ -20,15 +26,19 @@ from ..steptime import StepTimer
 from .base import Strategy
 
 # How DDP says that ranks disagree about the parameters: their number, a shape, a layout.
-_MODEL_MISMATCH = ("expects same model across all ranks", "appears not to match sizes of the same param",
-                   "appears not to match strides of the same param")
+_MODEL_MISMATCH = (
+    "expects same model across all ranks",
+    "appears not to match sizes of the same param",
+    "appears not to match strides of the same param",
+)
 
 
 class DDP(Strategy):
     name = "ddp"
 
-    def __init__(self, module: nn.Module, session: Session, config: DistributedConfig, timer: StepTimer,
-                 breakdown: bool):
+    def __init__(
+        self, module: nn.Module, session: Session, config: DistributedConfig, timer: StepTimer, breakdown: bool
+    ):
         super().__init__(module)
         self.session, self.config, self.timer = session, config, timer
         self.shared_memory: SharedMemoryAllReduce | None = None
@@ -47,26 +57,34 @@ class DDP(Strategy):
         unused = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise DtrainError(f"the forward pass did not use these parameters: {shown}; DDP needs a gradient "
-                              f"for every parameter: set distributed.find_unused_parameters=true, or drop "
-                              f"them from the model (or set requires_grad=False)")
+            raise DtrainError(
+                f"the forward pass did not use these parameters: {shown}; DDP needs a gradient "
+                f"for every parameter: set distributed.find_unused_parameters=true, or drop "
+                f"them from the model (or set requires_grad=False)"
+            )
 
     def _wrap(self) -> nn.Module:
         dc, device = self.config, self.session.device
         try:
             return DistributedDataParallel(
-                self.module, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=dc.bucket_cap_mb, gradient_as_bucket_view=dc.gradient_as_bucket_view,
-                static_graph=dc.static_graph, find_unused_parameters=dc.find_unused_parameters)
+                self.module,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=dc.bucket_cap_mb,
+                gradient_as_bucket_view=dc.gradient_as_bucket_view,
+                static_graph=dc.static_graph,
+                find_unused_parameters=dc.find_unused_parameters,
+            )
         except RuntimeError as exc:
             # DDP compares every parameter's shape across ranks before it starts. Only that failure is
             # about the model: an out-of-memory or a broken transport is a RuntimeError too.
             if not any(sign in str(exc) for sign in _MODEL_MISMATCH):
                 raise
             first_line = str(exc).strip().splitlines()[0]
-            raise DtrainError(f"the model differs between ranks ({first_line}); build the same model on "
-                              f"every rank: seed before building it and keep its shape independent of "
-                              f"the rank") from None
+            raise DtrainError(
+                f"the model differs between ranks ({first_line}); build the same model on "
+                f"every rank: seed before building it and keep its shape independent of "
+                f"the rank"
+            ) from None
 
     def _attach_comm_hook(self, breakdown: bool) -> None:
         dc, device = self.config, self.session.device
@@ -101,11 +119,16 @@ class DDP(Strategy):
     def _share_gradients_in_memory(self) -> SharedMemoryAllReduce | None:
         """On CPU with every rank on this machine, average gradients through shared memory."""
         session = self.session
-        if not (self.config.shared_memory_allreduce and session.device.type == "cpu"
-                and session.backend == "gloo" and session.env.local_world_size == session.world_size):
+        if not (
+            self.config.shared_memory_allreduce
+            and session.device.type == "cpu"
+            and session.backend == "gloo"
+            and session.env.local_world_size == session.world_size
+        ):
             return None
-        state = SharedMemoryAllReduce.create(self.module, session.rank, session.world_size,
-                                             session.env.local_world_size, self.config.timeout_s)
+        state = SharedMemoryAllReduce.create(
+            self.module, session.rank, session.world_size, session.env.local_world_size, self.config.timeout_s
+        )
         if state is not None:
             self.model.register_comm_hook(state, shared_memory_hook)
         return state

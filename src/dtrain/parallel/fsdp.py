@@ -31,12 +31,17 @@ class FSDP(Strategy):
         super().__init__(module)
         dc = config.distributed
         self.mesh = _mesh(session, dc.strategy, dc.hsdp_shard_size)
-        options = dict(mesh=self.mesh, reshard_after_forward=dc.reshard_after_forward,
-                       mp_policy=_precision_policy(config.training.precision))
+        options = dict(
+            mesh=self.mesh,
+            reshard_after_forward=dc.reshard_after_forward,
+            mp_policy=_precision_policy(config.training.precision),
+        )
         if dc.fsdp_cpu_offload:
             if session.device.type != "cuda":
-                raise ConfigError("distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
-                                  "the CPU, and this job trains on the CPU already; set it to false")
+                raise ConfigError(
+                    "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
+                    "the CPU, and this job trains on the CPU already; set it to false"
+                )
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
         check_unshared(module, units)
         for i, unit in enumerate(units):
