@@ -49,7 +49,7 @@ def device():
 def model(vocab: int):
     import torch
 
-    from dtrain.gpt import GPT
+    from dtrain.models.gpt import GPT
 
     torch.manual_seed(SEED)
     return GPT(vocab, BLOCK, **SIZE).to(device())

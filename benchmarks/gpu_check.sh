@@ -33,7 +33,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: this needs torch with a visible CUDA GPU (python: $PY)" >&2
     exit 2
 fi
-if ! "$PY" -c 'import dtrain.trainer' 2>/dev/null; then
+if ! "$PY" -c 'import dtrain.train.trainer' 2>/dev/null; then
     "$PY" -m pip install -q -e "$ROOT" >&2 || { echo "gpu_check: cannot import or install dtrain" >&2; exit 2; }
 fi
 GPU=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")')

@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dtrain
-import dtrain.optim
-import dtrain.trainer
-from dtrain import perf
-from dtrain.amp import Precision, precision_for
+import dtrain.train.optim
+import dtrain.train.trainer
+from dtrain.observe import perf
+from dtrain.train.amp import Precision, precision_for
 
 # The GPU; the CPU only to smoke-test this file where there is none (the expectations are a GPU's).
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -66,7 +66,7 @@ def tf32(work: Path) -> str:
 def fp16_skips(work: Path) -> str:
     """A loss scale of 2^30 overflows the first steps, as 2^16 does on large models: every one is
     counted, left out of the norm, taken out of the schedule, and fused AdamW / plain SGD stay sane."""
-    dtrain.trainer.precision_for = lambda name, device, tf32=True: Precision(
+    dtrain.train.trainer.precision_for = lambda name, device, tf32=True: Precision(
         "fp16",
         functools.partial(torch.autocast, device_type=DEVICE.type, dtype=torch.float16),
         torch.amp.GradScaler(DEVICE.type, init_scale=2.0**30),
@@ -94,9 +94,9 @@ def resume(work: Path) -> str:
     """Bitwise resume with dropout (the CUDA RNG of the bound device), fused and unfused AdamW; the
     optimizer's step stays where torch keeps it (on the GPU for fused, on the CPU otherwise)."""
     parts, good = [], True
-    fused_options = dtrain.optim.implementation_options
+    fused_options = dtrain.train.optim.implementation_options
     for fused in (True, False):
-        dtrain.optim.implementation_options = fused_options if fused else (lambda name, device: {})
+        dtrain.train.optim.implementation_options = fused_options if fused else (lambda name, device: {})
         whole = trainer(work / f"whole-{fused}", "adamw", dropout=0.3)
         whole.fit()
         trainer(work / f"split-{fused}", "adamw", dropout=0.3, stop_at_step=9).fit()
@@ -107,7 +107,7 @@ def resume(work: Path) -> str:
         expected = {"cuda"} if fused else {"cpu"}
         good &= same and where == expected
         parts.append(f"fused {fused}: bitwise {same}, step on {sorted(where)}")
-    dtrain.optim.implementation_options = fused_options
+    dtrain.train.optim.implementation_options = fused_options
     return f"{'ok' if good else 'FAIL'} " + "; ".join(parts)
 
 
@@ -118,7 +118,7 @@ def nccl_flight_recorder(work: Path) -> str:
     import torch.distributed as dist
 
     from dtrain.distributed import enable_flight_recorder
-    from dtrain.watchdog import dump_flight_recorder
+    from dtrain.observe.watchdog import dump_flight_recorder
 
     enable_flight_recorder(None)
     store = dist.HashStore()

@@ -78,7 +78,7 @@ def run_accelerate(data: Path, steps: int, log_every: int) -> dict:
     from torch.utils.data import DataLoader
 
     from dtrain.data.tokens import TokenWindows
-    from dtrain.memory import gradient_bytes, state_bytes
+    from dtrain.observe.memory import gradient_bytes, state_bytes
 
     windows = TokenWindows(data, "train", BLOCK)
     gpus = torch.cuda.is_available()

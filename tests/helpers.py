@@ -82,7 +82,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def assert_weights_close(a: dict, b: dict, atol: float = 1e-6, rtol: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def write_idx(path: Path, array) -> None:

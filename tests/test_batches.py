@@ -12,7 +12,7 @@ from torch import nn
 
 from dtrain.data.batch import collate, num_samples, num_tokens, split, to_device
 from dtrain.errors import DtrainError
-from dtrain.loss import LossOf
+from dtrain.train.loss import LossOf
 from helpers import WORKERS, ok, torchrun
 
 SHAPES = [
@@ -151,7 +151,7 @@ def test_the_default_loss_counts_every_position_of_a_sequence():
 
 
 def test_eval_metrics_of_the_wrong_kind_are_one_line():
-    from dtrain.evaluation import EvalSums
+    from dtrain.train.evaluation import EvalSums
 
     for returned, message in (
         ("great", "eval_metrics returned str; return a dict of names to numbers"),

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from dtrain.checkpoint import CheckpointError, CheckpointStore, RunDirLock, truncate_metrics
+from dtrain.checkpoint import CheckpointError, CheckpointStore, truncate_metrics
 from dtrain.checkpoint.store import MARKER
 from dtrain.errors import DtrainError
+from dtrain.rundir.lock import RunDirLock
 
 
 def write_checkpoint(store: CheckpointStore, step: int, payload: bytes = b"x" * 100):
@@ -90,7 +91,7 @@ def test_the_run_dir_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from dtrain.checkpoint import RunDirLock; "
+                "import sys, time; from pathlib import Path; from dtrain.rundir.lock import RunDirLock; "
                 f"RunDirLock(Path({str(tmp_path)!r})).acquire(); print('locked', flush=True); time.sleep(60)"
             ),
         ],

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 import dtrain
 from dtrain.checkpoint import preflight as checkpoint_preflight
+from dtrain.commands.report import build_figures, load_records, summary
 from dtrain.config import Config, all_keys, load_config
 from dtrain.data import mnist
 from dtrain.errors import DtrainError
-from dtrain.report import build_figures, load_records, summary
 from helpers import ROOT
 from helpers import dtrain as run_dtrain
 
@@ -176,7 +176,7 @@ def tree(folder):
 def test_the_launchers_checks_change_nothing_outside_run_dir(tmp_path_factory, key, value):
     """Any override through the launcher's checks (config, run.dir, data, checkpoints): refused in one
     line or passed, and no file outside run.dir created, changed or removed."""
-    from dtrain.job import preflight
+    from dtrain.launch.preflight import preflight
 
     home = tmp_path_factory.mktemp("cwd")
     (home / "notes.txt").write_text("mine")

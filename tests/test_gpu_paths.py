@@ -15,13 +15,16 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import dtrain
-from dtrain import devices, distributed, job, perf
-from dtrain.amp import Precision, precision_problem
+from dtrain import distributed
 from dtrain.checkpoint import tensors as checkpoint_tensors
 from dtrain.config import DistributedConfig
 from dtrain.distributed import DistEnv
 from dtrain.errors import ConfigError, DtrainError, EnvironmentProblem
-from dtrain.optim import implementation_options
+from dtrain.launch import gpus as devices
+from dtrain.launch.preflight import preflight
+from dtrain.observe import perf
+from dtrain.train.amp import Precision, precision_problem
+from dtrain.train.optim import implementation_options
 from helpers import train_lines
 
 
@@ -86,10 +89,10 @@ def test_the_launcher_refuses_more_nccl_processes_than_gpus(gpus, monkeypatch, t
     monkeypatch.setattr(devices, "visible_gpus", lambda: [devices.Gpu("NVIDIA A100-SXM4-80GB", (8, 0))])
     config = dtrain.Config.from_dict({"run": {"dir": str(tmp_path / "run")}})
     with pytest.raises(ConfigError, match=r"--nproc 2 asks for more nccl processes than this machine's 1 GPU"):
-        job.preflight(config, world_size=2, local_world_size=2)
-    job.preflight(config, world_size=1, local_world_size=1)  # one process per GPU is fine
+        preflight(config, world_size=2, local_world_size=2)
+    preflight(config, world_size=1, local_world_size=1)  # one process per GPU is fine
     gloo = dtrain.Config.from_dict({"run": {"dir": str(tmp_path / "run")}, "distributed": {"backend": "gloo"}})
-    job.preflight(gloo, world_size=2, local_world_size=2)  # gloo may share a GPU
+    preflight(gloo, world_size=2, local_world_size=2)  # gloo may share a GPU
 
 
 def test_the_launcher_asks_a_child_process_about_gpus(monkeypatch):
@@ -129,7 +132,7 @@ def test_the_launcher_refuses_bf16_on_an_emulating_gpu_before_starting_workers(g
     monkeypatch.setattr(devices, "visible_gpus", lambda: [devices.Gpu("Tesla T4", (7, 5))] * 2)
     config = dtrain.Config.from_dict({"run": {"dir": str(tmp_path)}, "training": {"precision": "bf16"}})
     with pytest.raises(ConfigError, match="'bf16' is only emulated on Tesla T4"):
-        job.preflight(config, world_size=2, local_world_size=2)
+        preflight(config, world_size=2, local_world_size=2)
 
 
 # --- 4: peak FLOP/s per exact device name, and for the math fp32 really uses ----------------------
@@ -200,7 +203,7 @@ def fused(monkeypatch):
     """AdamW fused as on CUDA (torch 2.13 has the fused kernel on the CPU too)."""
 
     def use(on: bool):
-        monkeypatch.setattr(dtrain.optim, "implementation_options", lambda name, device: {"fused": on})
+        monkeypatch.setattr(dtrain.train.optim, "implementation_options", lambda name, device: {"fused": on})
 
     return use
 
@@ -220,7 +223,7 @@ def fp16_on_cpu(monkeypatch):
             torch.amp.GradScaler("cpu", init_scale=2.0**30),
         )
 
-    monkeypatch.setattr(dtrain.trainer, "precision_for", cpu_fp16)
+    monkeypatch.setattr(dtrain.train.trainer, "precision_for", cpu_fp16)
 
 
 @pytest.mark.parametrize("fused_adamw", [False, True], ids=["skipped on the host", "skipped in the kernel"])
@@ -338,8 +341,8 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
     """On 2 GPUs with a model of blocks: sharding, activation checkpointing and offload, each only when off."""
     from types import SimpleNamespace
 
-    from dtrain.gpt import GPT
-    from dtrain.trainer import Trainer
+    from dtrain.models.gpt import GPT
+    from dtrain.train.trainer import Trainer
 
     cfg = dtrain.Config.from_dict(
         {

@@ -106,19 +106,17 @@ def one_node(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one_node")
     ok(
         run(
-
-                [
-                    sys.executable,
-                    "-m",
-                    "dtrain",
-                    "run",
-                    *JOB,
-                    "model.options={hidden_size = 32}",
-                    "--nproc",
-                    "2",
-                    f"run.dir={run_dir}",
-                ]
-
+            [
+                sys.executable,
+                "-m",
+                "dtrain",
+                "run",
+                *JOB,
+                "model.options={hidden_size = 32}",
+                "--nproc",
+                "2",
+                f"run.dir={run_dir}",
+            ]
         )
     )
     return run_dir

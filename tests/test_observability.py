@@ -210,7 +210,7 @@ def png_size(path):
 
 
 def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
-    from dtrain.report import build_figures, load_records, write_report
+    from dtrain.commands.report import build_figures, load_records, write_report
 
     run_dir, _ = slow_rank_run
     records = load_records(run_dir)
@@ -252,7 +252,7 @@ def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
 def test_report_of_a_run_resumed_under_another_strategy_shares_each_phase_over_its_own_windows():
     """DDP windows carry comm_ms, FSDP windows do not: communication's share is taken over the windows that
     measured it and says how many; the other phases over all."""
-    from dtrain.report import summary
+    from dtrain.commands.report import summary
 
     def window(step, comm):
         record = {

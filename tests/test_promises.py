@@ -126,7 +126,7 @@ def reseal(folder):
     what dtrain then reads is the edited content itself, past the integrity check."""
     import json
 
-    from dtrain.checkpoint.files import MARKER, manifest
+    from dtrain.checkpoint.manifest import MARKER, manifest
 
     marker = json.loads((folder / MARKER).read_text())
     files = {name: entry for name, entry in manifest(folder).items() if name != MARKER}

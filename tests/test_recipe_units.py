@@ -8,7 +8,7 @@ from torch.utils.data import TensorDataset
 
 import dtrain
 from dtrain.config import OptimizerConfig, SchedulerConfig
-from dtrain.optim import LRShape, build_optimizer, build_scheduler
+from dtrain.train.optim import LRShape, build_optimizer, build_scheduler
 from helpers import WORKERS, ok
 from helpers import dtrain as dtrain_cli
 

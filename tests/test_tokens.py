@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.data.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
-from dtrain.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
 from helpers import WORKERS, dtrain, ok, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -86,7 +86,8 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_p
         ),
         (
             [str(corpus), "--out", str(corpus)],
-            f"--out {corpus} already exists and is not an empty folder; choose a new one (or delete it to prepare again)",
+            f"--out {corpus} already exists and is not an empty folder; choose a new one (or delete it to prepare "
+            f"again)",
         ),
     ]
     for args, message in cases:

@@ -7,8 +7,8 @@ dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set).fit(
 
 __version__ = "0.1.0"
 
-from .config import Config, load_config
-from .errors import ConfigError, DataError, DtrainError
+from dtrain.config import Config, load_config
+from dtrain.errors import ConfigError, DataError, DtrainError
 
 __all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__version__", "load_config"]
 
@@ -16,7 +16,7 @@ __all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__ve
 def __getattr__(name):
     # Imported on first use: the command line answers a config mistake without loading torch.
     if name == "Trainer":
-        from .trainer import Trainer
+        from dtrain.train.trainer import Trainer
 
         return Trainer
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

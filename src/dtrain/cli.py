@@ -22,9 +22,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__
-from .config import load_config
-from .errors import EXIT_USAGE, DtrainError
+from dtrain import __version__
+from dtrain.config import load_config
+from dtrain.errors import EXIT_USAGE, DtrainError
 
 # torch is imported only after the command line and config have been checked, so that a typo is
 # answered at once rather than after seconds of imports.
@@ -92,7 +92,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace):
-    from .launch import LaunchSpec
+    from dtrain.launch import LaunchSpec
 
     spec = LaunchSpec()
     for name in LAUNCH_FLAGS:
@@ -119,9 +119,10 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
     config = load_config(args.config, overrides)
-    from .distributed import detect_env, in_worker_environment
-    from .job import preflight, worker_main
-    from .launch import launch, wait_for_rank0
+    from dtrain.distributed import detect_env, in_worker_environment
+    from dtrain.launch import launch, wait_for_rank0
+    from dtrain.launch.preflight import preflight
+    from dtrain.worker import worker_main
 
     # Inside torchrun: a worker. RANK/WORLD_SIZE (or srun's, mpirun's variables) without launch flags:
     # a worker started by something else. With launch flags dtrain launches, whatever the environment
@@ -157,8 +158,8 @@ def cmd_launch(argv: Sequence[str]) -> int:
     if not args.module and not os.path.isfile(args.script):
         raise DtrainError(f"script {args.script} does not exist")
     # Each worker runs the script through dtrain.script: its failures are then reported once.
-    entry = ["-m", "dtrain.script", *(["-m"] if args.module else []), args.script, *args.script_args]
-    from .launch import launch
+    entry = ["-m", "dtrain.worker.script", *(["-m"] if args.module else []), args.script, *args.script_args]
+    from dtrain.launch import launch
 
     return launch(_spec(args), entry)
 
@@ -172,7 +173,7 @@ def cmd_config(argv: Sequence[str]) -> int:
     )
     args = parser.parse_intermixed_args(argv)
     if args.reference:
-        from .config import reference_rows
+        from dtrain.config import reference_rows
 
         print("| key | default | meaning |\n| --- | --- | --- |")
         for key, default, help_ in reference_rows():
@@ -195,14 +196,14 @@ def cmd_doctor(argv: Sequence[str]) -> int:
     parser.add_argument("--iters", type=int, default=3, help="timed all-reduces per size (default 3)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from . import doctor
+    from dtrain.commands import doctor
 
     if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:
         return doctor.bandwidth_worker(args.iters)
     status = doctor.main_report(args.nproc or 1)
     if not _explicit_launch(args):
         return status
-    from .launch import launch
+    from dtrain.launch import launch
 
     print(flush=True)
     return launch(_spec(args), ["-m", "dtrain", "doctor", "--worker", "--iters", str(args.iters)]) or status
@@ -214,7 +215,7 @@ def cmd_report(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from pathlib import Path
 
-    from .report import write_report
+    from dtrain.commands.report import write_report
 
     out = write_report(Path(args.run_dir))
     print((out / "summary.txt").read_text(), end="")
@@ -255,7 +256,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not args.sources and not args.python_stdlib:
         raise DtrainError("dtrain prepare text needs SRC files or folders, or --python-stdlib")
-    from .prepare import prepare_text
+    from dtrain.data.prepare import prepare_text
 
     meta = prepare_text(
         args.sources,
@@ -291,7 +292,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from .generate import generate
+    from dtrain.models.generate import generate
 
     print(generate(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
     return 0

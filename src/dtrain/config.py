@@ -25,7 +25,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import tomli_w
 
-from .errors import ConfigError
+from dtrain.errors import ConfigError
 
 _MISSING = dataclasses.MISSING
 

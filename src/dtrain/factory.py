@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import ConfigError
+from dtrain.errors import ConfigError
 
 
 def resolve(key: str, ref: str) -> Callable[..., Any]:

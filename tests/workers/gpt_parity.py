@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dtrain
 from dtrain.data.tokens import TokenWindows
-from dtrain.gpt import GPT
+from dtrain.models.gpt import GPT
 
 BLOCK, BATCH, STEPS, SEED, LR = 32, 4, 12, 3, 3e-3
 SIZE = {"n_layer": 2, "n_head": 2, "n_embd": 32}

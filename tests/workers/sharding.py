@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 import dtrain
 from dtrain.errors import DtrainError
-from dtrain.gpt import GPT
+from dtrain.models.gpt import GPT
 
 VOCAB, BLOCK = 64, 16
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import SharedMemoryAllReduce
+from dtrain.parallel.ddp_comm import SharedMemoryAllReduce
 
 
 def main(out: Path) -> None:

@@ -1,7 +1,7 @@
 """Checkpoints: scheduled and on preemption, atomic, verified, resumed exactly.
 
 `Checkpointer` is what the trainer talks to; `store` knows the folders, `state` what goes in them,
-`files` how to write so that nothing is ever half there.
+`manifest` what seals one; `export` the final weights.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import json
 import os
 from pathlib import Path
 
-from ..config import CheckpointConfig, Config
-from ..distributed import first_error, from_rank0
-from .files import RunDirLock, atomic_write_text, save_final_weights
-from .state import Parts, Position, regroup
-from .store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
+from dtrain.checkpoint.state import Parts, Position, regroup
+from dtrain.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
+from dtrain.config import CheckpointConfig, Config
+from dtrain.distributed import first_error, from_rank0, later_attempt
+from dtrain.files import atomic_write_text
 
 __all__ = [
     "Checkpoint",
@@ -23,17 +23,9 @@ __all__ = [
     "Checkpointer",
     "Parts",
     "Position",
-    "RunDirLock",
-    "atomic_write_text",
     "resume_geometry",
-    "save_final_weights",
     "truncate_metrics",
 ]
-
-
-def restart_count() -> int:
-    """How often torchrun has restarted this worker group (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 class Checkpointer:
@@ -77,10 +69,10 @@ class Checkpointer:
 
     def _choose(self) -> Checkpoint | None:
         # A restarted group always continues where the failed one left off.
-        return choose_resume(self.store, "auto" if restart_count() > 0 else self.config.resume)
+        return choose_resume(self.store, "auto" if later_attempt() else self.config.resume)
 
     def restore(self, checkpoint: Checkpoint) -> Position:
-        from .tensors import load
+        from dtrain.checkpoint.tensors import load
 
         position = load(checkpoint.path, self.parts)
         self.last_saved_step = position.step
@@ -91,7 +83,7 @@ class Checkpointer:
         checkpoints untouched, removes the partial one and raises on every rank."""
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .tensors import save
+        from dtrain.checkpoint.tensors import save
 
         step = position.step
         error = None
@@ -154,7 +146,7 @@ def resume_geometry(
     if fresh:
         return None
     store = CheckpointStore(run_dir)
-    checkpoint = choose_resume(store, "auto" if restart_count() > 0 else config.resume)
+    checkpoint = choose_resume(store, "auto" if later_attempt() else config.resume)
     if checkpoint is None:
         return None
     if verify:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .store import CheckpointError
+from dtrain.checkpoint.store import CheckpointError
 
 
 @dataclass
@@ -76,7 +76,8 @@ _WHY = {
 def world_size_mismatch(name: str, saved: int, now: int) -> str:
     return (
         f"checkpoint {name} was written by {saved} process{'es' if saved != 1 else ''} and this run has {now}; "
-        f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order (DistributedSampler's) depends on their number "
+        f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order "
+        f"(DistributedSampler's) depends on their number "
         f"(token data, data.name=tokens, resumes on any number), or start a new run.dir"
     )
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DtrainError
-from .files import MARKER, atomic_write_text, fsync_dir, manifest, verify
+from dtrain.checkpoint.manifest import MARKER, manifest, verify
+from dtrain.errors import DtrainError
+from dtrain.files import atomic_write_text, fsync_dir
 
 PARTIAL_PREFIX = ".partial-"
 _STEP_DIR = re.compile(r"step-(\d+)")

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .files import fsync_file, user_file_mode
-from .state import Parts, Position, identity_mismatch
-from .store import CheckpointError, describe_failure
+from dtrain.checkpoint.state import Parts, Position, identity_mismatch
+from dtrain.checkpoint.store import CheckpointError, describe_failure
+from dtrain.files import fsync_file, user_file_mode
 
 TENSORS = "state"
 TRAINER = "trainer.json"
@@ -398,17 +398,16 @@ _PLAIN = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPat
 class _MetadataUnpickler(pickle.Unpickler):
     """Accepts DCP's metadata and nothing else, by rule rather than by name (DCP's classes are partly
     private and change between torch versions): dataclasses and enums that torch.distributed.checkpoint
-    itself defines, torch's dtypes, layouts and memory formats, torch.Size, the functions torch registered to rebuild its layouts,
-    paths and OrderedDict. Anything else — a function, a class from elsewhere — is refused before it is
-    imported."""
+    itself defines, torch's dtypes, layouts and memory formats, torch.Size, the functions torch registered to
+    rebuild its layouts, paths and OrderedDict. Anything else — a function, a class from elsewhere — is
+    refused before it is imported."""
 
     _rebuild = _torch_reconstructors()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (
-            (module, name) in _PLAIN
-            or (module == "torch"
-            and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+        if (module, name) in _PLAIN or (
+            module == "torch"
+            and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
         ):
             return super().find_class(module, name)
         if module == "torch.distributed.checkpoint" or module.startswith("torch.distributed.checkpoint."):

@@ -1,9 +1,9 @@
 """Data sets, sharding and batching."""
 
-from .batch import TensorDict, collate, to_device
-from .datasets import DataSplits, build, check, prepare, size_hint
-from .loaders import EvalBatches, TrainBatches
-from .sampler import ShardSampler, eval_shard
+from dtrain.data.batch import TensorDict, collate, to_device
+from dtrain.data.datasets import DataSplits, build, check, check_shardable, fetch, size_hint
+from dtrain.data.loaders import EvalBatches, TrainBatches
+from dtrain.data.sampler import ShardSampler, eval_shard
 
 __all__ = [
     "DataSplits",
@@ -13,9 +13,10 @@ __all__ = [
     "TrainBatches",
     "build",
     "check",
+    "check_shardable",
     "collate",
     "eval_shard",
-    "prepare",
+    "fetch",
     "size_hint",
     "to_device",
 ]

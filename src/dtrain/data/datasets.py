@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from .. import factory
-from ..config import Config, DataConfig
-from ..errors import DataError
-from . import mnist, tokens
+from dtrain import factory
+from dtrain.config import Config, DataConfig
+from dtrain.data import mnist, tokens
+from dtrain.errors import DataError
 
 # The held-out split of digits and synthetic data is fixed, whatever run.seed says, so that eval
 # figures of different runs are comparable.
@@ -67,7 +67,7 @@ def check(config: Config, world_size: int = 1) -> None:
         tokens.check_block_size(tokens.read_meta(data.path), data.block_size, data.path, world_size, data.batch_size)
 
 
-def prepare(config: Config) -> None:
+def fetch(config: Config) -> None:
     """Work that must happen once per node before workers start (downloads)."""
     data = config.data
     if data.name == "mnist" and mnist.find_files(data.path) is None:
@@ -192,3 +192,12 @@ def infer_num_classes(dataset: Dataset, default: int) -> int:
         if not labels.is_floating_point() and labels.dim() == 1 and len(labels):
             return max(int(labels.max()) + 1, 2)
     return default
+
+
+def check_shardable(config: Config, n_train: int, world_size: int) -> None:
+    """Every process needs at least one training sample of its own."""
+    if n_train < world_size:
+        raise DataError(
+            f"data set '{config.data.name}' has {n_train} training samples, too few for "
+            f"{world_size} processes; use --nproc {max(1, n_train)} or fewer"
+        )

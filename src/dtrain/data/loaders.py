@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ..config import DataConfig
-from .batch import TensorDict, collate, map_tensors, to_device
-from .sampler import IndexSampler, ShardSampler, eval_shard
+from dtrain.config import DataConfig
+from dtrain.data.batch import TensorDict, collate, map_tensors, to_device
+from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard
 
 Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
 Collate = Callable[[list[Any]], Any]

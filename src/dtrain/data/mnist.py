@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint.files import user_file_mode
-from ..errors import DataError
+from dtrain.errors import DataError
+from dtrain.files import user_file_mode
 
 FILES = {
     "train_images": "train-images-idx3-ubyte",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import DataError
+from dtrain.errors import DataError
 
 FORMAT = "dtrain-tokens"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -166,7 +166,7 @@ def check_block_size(
 def keep_tokenizer(folder: str | Path, run_dir: Path) -> None:
     """Copy meta.json and the tokenizer into run_dir/tokenizer/: what `dtrain generate` decodes with, so
     that a run can be sampled wherever it is read from and whatever becomes of data.path."""
-    from ..checkpoint.files import atomic_write_text
+    from dtrain.files import atomic_write_text
 
     folder, out = Path(folder), run_dir / "tokenizer"
     meta = read_meta(folder)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import Config
-from ..distributed import Session
-from ..errors import ConfigError
-from ..steptime import StepTimer
-from . import blocks
-from .base import Strategy
+from dtrain.config import Config
+from dtrain.distributed import Session
+from dtrain.errors import ConfigError
+from dtrain.observe.steptime import StepTimer
+from dtrain.parallel import blocks
+from dtrain.parallel.base import Strategy
 
 
 def build(config: Config, session: Session, module: nn.Module, timer: StepTimer) -> Strategy:
@@ -31,11 +31,11 @@ def build(config: Config, session: Session, module: nn.Module, timer: StepTimer)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
     if config.distributed.strategy in ("fsdp", "hsdp"):
-        from .fsdp import FSDP
+        from dtrain.parallel.fsdp import FSDP
 
         timer.comm_inside_compute = True
         return FSDP(module, session, config, units)
-    from .ddp import DDP
+    from dtrain.parallel.ddp import DDP
 
     return DDP(module, session, config.distributed, timer, breakdown=config.monitor.breakdown)
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..config import Config
-from ..errors import ConfigError
+from dtrain.config import Config
+from dtrain.errors import ConfigError
 
 
 def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool = False) -> list[nn.Module]:

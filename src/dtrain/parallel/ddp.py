@@ -11,7 +11,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import (
+from dtrain.config import DistributedConfig
+from dtrain.distributed import Session
+from dtrain.errors import DtrainError
+from dtrain.observe.steptime import StepTimer
+from dtrain.parallel.base import Strategy
+from dtrain.parallel.ddp_comm import (
     SharedMemoryAllReduce,
     TimedAllReduce,
     ddp_exposed_comm,
@@ -19,11 +24,6 @@ from ..comm import (
     shared_memory_hook,
     timed_allreduce_hook,
 )
-from ..config import DistributedConfig
-from ..distributed import Session
-from ..errors import DtrainError
-from ..steptime import StepTimer
-from .base import Strategy
 
 # How DDP says that ranks disagree about the parameters: their number, a shape, a layout.
 _MODEL_MISMATCH = (

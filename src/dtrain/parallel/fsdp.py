@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..config import Config
-from ..distributed import Session
-from ..errors import ConfigError
-from .base import Strategy
-from .blocks import check_unshared
+from dtrain.config import Config
+from dtrain.distributed import Session
+from dtrain.errors import ConfigError
+from dtrain.parallel.base import Strategy
+from dtrain.parallel.blocks import check_unshared
 
 
 class FSDP(Strategy):

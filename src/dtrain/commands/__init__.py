@@ -1,0 +1,1 @@
+"""dtrain's subcommands that do not train: `doctor` and `report`."""

@@ -1,0 +1,320 @@
+"""`dtrain doctor`: what this machine offers for distributed training, what looks wrong, and — with
+`--nproc` — how fast a real all-reduce across the group is.
+
+    dtrain doctor                                  environment report (exit 1 when something is wrong)
+    dtrain doctor --nproc 2                        all-reduce bandwidth, 1 KiB to 256 MiB, and a verdict
+    dtrain doctor --nnodes 2 --nproc 8 --rdzv-endpoint node0:29500    the same across machines
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+
+# What each variable a launcher or user sets means to a distributed job.
+ENV_MEANINGS = {
+    "MASTER_ADDR": "address of rank 0's rendezvous store (env://)",
+    "MASTER_PORT": "port of rank 0's rendezvous store (env://)",
+    "RANK": "this process's global rank",
+    "WORLD_SIZE": "number of processes in the job",
+    "LOCAL_RANK": "this process's rank on its machine (selects its GPU)",
+    "LOCAL_WORLD_SIZE": "processes on this machine",
+    "TORCHELASTIC_RUN_ID": "set by torchrun: this process is one of its workers",
+    "TORCHELASTIC_RESTART_COUNT": "how often torchrun restarted the group",
+    "SLURM_JOB_ID": "running inside a SLURM job",
+    "SLURM_PROCID": "SLURM task rank (a worker when started by srun)",
+    "SLURM_NTASKS": "SLURM tasks in the job step",
+    "OMPI_COMM_WORLD_RANK": "Open MPI rank (started by mpirun)",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI world size",
+    "CUDA_VISIBLE_DEVICES": "GPUs this process may use",
+    "OMP_NUM_THREADS": "intra-op CPU threads per process",
+    "GLOO_SOCKET_IFNAME": "network interface gloo binds",
+    "NCCL_SOCKET_IFNAME": "network interface NCCL uses for its sockets",
+    "NCCL_DEBUG": "NCCL log level (INFO shows the chosen transports)",
+    "NCCL_IB_DISABLE": "1 turns InfiniBand off for NCCL (slow across nodes)",
+    "NCCL_P2P_DISABLE": "1 turns GPU peer-to-peer off (slow within a node)",
+    "TORCH_DISTRIBUTED_DEBUG": "collective checking (DETAIL checks shapes across ranks)",
+    "TORCH_FR_BUFFER_SIZE": "flight recorder size: the last collectives kept (dtrain dumps them on a hang)",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "the flight recorder size under its old name (torch before 2.7)",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "what NCCL does with a failed collective",
+}
+
+
+def environment_report() -> tuple[list[str], list[str]]:
+    """(lines describing this machine, problems found)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import __version__
+    from dtrain.distributed import available_cores
+    from dtrain.distributed import netaddr
+    from dtrain.train.amp import precision_problem
+
+    lines, problems = [], []
+    lines.append(
+        f"dtrain {__version__}, torch {torch.__version__}, python {platform.python_version()}, "
+        f"{platform.system()} {platform.machine()}"
+    )
+    backends = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    lines.append("backends: " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in backends.items()))
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if backends["nccl"] else "none"
+        lines.append(f"CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s):")
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            # Per device, and native only: torch.cuda.is_bf16_supported() asks about the current
+            # device and counts emulation (V100, T4) as support.
+            native = (
+                precision_problem(
+                    "bf16", "cuda", props.name, (props.major, props.minor), rocm=torch.version.hip is not None
+                )
+                is None
+            )
+            lines.append(
+                f"  cuda:{i} {props.name}, sm_{props.major}{props.minor}, "
+                f"{props.total_memory / 2**30:.0f} GiB, bf16 {'yes' if native else 'emulated only'}"
+            )
+    else:
+        lines.append(
+            f"CUDA: none visible ({'CPU build of torch' if torch.version.cuda is None else 'no GPU'}): "
+            f"dtrain uses gloo on the CPU"
+        )
+    lines.append(f"CPU: {available_cores()} core(s) for this process, intra-op threads {torch.get_num_threads()}")
+    try:
+        stats = os.statvfs("/dev/shm")
+        free = stats.f_bavail * stats.f_frsize
+        lines.append(f"/dev/shm: {free / 2**30:.1f} GiB free")
+        if free < 512 * 2**20:
+            problems.append(
+                f"/dev/shm has only {free / 2**20:.0f} MiB free: DataLoader workers and dtrain's "
+                f"shared-memory all-reduce need room (docker: --shm-size=8g)"
+            )
+    except OSError:
+        lines.append("/dev/shm: none (shared-memory all-reduce and DataLoader workers fall back)")
+    interfaces = netaddr.interface_addresses()
+    lines.append("network interfaces: " + ", ".join(f"{name} {addr}" for name, addr in interfaces.items()))
+    host = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        resolved = "nothing"
+    note = (
+        (" (loopback: fine on one machine; across machines dtrain takes the address on the route to --rdzv-endpoint)")
+        if resolved.startswith("127.")
+        else ""
+    )
+    lines.append(f"hostname {host} resolves to {resolved}{note}")
+
+    set_vars = [(k, os.environ[k]) for k in ENV_MEANINGS if k in os.environ]
+    lines.append("distributed environment variables:" + ("" if set_vars else " none set"))
+    lines += [f"  {k}={v}  — {ENV_MEANINGS[k]}" for k, v in set_vars]
+    problems += _env_problems(interfaces, available_cores(), backends)
+    return lines, problems
+
+
+def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bool]) -> list[str]:
+    import torch
+
+    from dtrain.distributed import detect_env
+    from dtrain.errors import EnvironmentProblem
+
+    env, problems = os.environ, []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if var in env:
+            wanted = [name.strip() for name in env[var].split(",") if name.strip()]
+            # NCCL accepts prefixes and ^exclusions; gloo wants exact names.
+            missing = [
+                n
+                for n in wanted
+                if not n.startswith(("^", "="))
+                and not any(i == n or (var.startswith("NCCL") and i.startswith(n)) for i in interfaces)
+            ]
+            if missing:
+                problems.append(
+                    f"{var}={env[var]} names no interface here ({', '.join(missing)}); this machine "
+                    f"has {', '.join(interfaces)}"
+                )
+    if "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit() and 0 < int(env["MASTER_PORT"]) < 65536):
+        problems.append(f"MASTER_PORT={env['MASTER_PORT']} is not a TCP port (1-65535)")
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        problems.append("only one of RANK and WORLD_SIZE is set: a worker needs both (or neither)")
+    try:  # what a worker started here would refuse: the launcher's own reading of these variables
+        detect_env(env)
+    except EnvironmentProblem as exc:
+        if not str(exc).startswith("MASTER_PORT"):  # said above
+            problems.append(f"{exc}: a worker would refuse to start")
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > cores:
+        problems.append(
+            f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} exceeds the {cores} core(s) this process "
+            f"may use: processes will fight over cores"
+        )
+    if env.get("CUDA_VISIBLE_DEVICES") == "" and torch.version.cuda is not None:
+        problems.append("CUDA_VISIBLE_DEVICES is empty: no GPU is visible to this process")
+    if env.get("NCCL_IB_DISABLE") == "1" and backends["nccl"]:
+        problems.append("NCCL_IB_DISABLE=1: NCCL will not use InfiniBand; multi-node training falls back to TCP")
+    return problems
+
+
+# --- the all-reduce test (runs in every worker) -----------------------------------------------------
+
+SIZES = [2**k for k in range(10, 29, 2)]  # 1 KiB, 4 KiB, ... 256 MiB
+
+
+def bandwidth_worker(iters: int) -> int:
+    """In each worker: time all-reduces of every size, check their results, rank 0 prints the table."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import distributed
+    from dtrain.config import DistributedConfig
+
+    session = distributed.start(DistributedConfig())
+    try:
+        world = session.world_size
+        rows, correct = [], True
+        for size in SIZES:
+            tensor = torch.full((size // 4,), float(session.rank + 1), device=session.device)
+            dist.all_reduce(tensor)  # warms the connections up, and is checked
+            correct = correct and bool(torch.all(tensor == world * (world + 1) / 2))
+            # Back-to-back rounds, timed together, as nccl-tests does: one rank arriving late is
+            # amortised instead of counted as latency. Small messages get more rounds.
+            rounds = iters * (10 if size < 2**20 else 1)
+            distributed.barrier()
+            _sync(session.device)
+            start = time.perf_counter()
+            for _ in range(rounds):
+                dist.all_reduce(tensor)
+            _sync(session.device)
+            elapsed = (time.perf_counter() - start) / rounds
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=session.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+            rows.append((size, slowest.item()))
+        ok = torch.tensor([1 if correct else 0], device=session.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if session.is_main:
+            print(bandwidth_table(rows, world, session.backend, bool(ok.item())), flush=True)
+        return 0 if ok.item() else 1
+    finally:
+        distributed.stop(session)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_table(rows: list[tuple[int, float]], world: int, backend: str, correct: bool) -> str:
+    """The nccl-tests style table: algbw = bytes / time, busbw = algbw × 2(n−1)/n."""
+    factor = 2 * (world - 1) / world
+    lines = [
+        f"all-reduce, {world} processes, {backend}:",
+        f"{'size':>10} {'time':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}",
+    ]
+    best = 0.0
+    for size, seconds in rows:
+        algbw = size / seconds / 1e9
+        best = max(best, algbw * factor)
+        lines.append(f"{_human(size):>10} {_duration(seconds):>11} {algbw:>11.3f} {algbw * factor:>11.3f}")
+    small_latency = rows[0][1]
+    lines.append(verdict(best, small_latency, backend, correct))
+    return "\n".join(lines)
+
+
+def verdict(busbw: float, latency_s: float, backend: str, correct: bool) -> str:
+    if not correct:
+        return "verdict: BROKEN — all-reduce results were wrong on some rank; check the network and drivers"
+    if backend == "nccl":
+        kind = (
+            "NVLink-class"
+            if busbw > 100
+            else "PCIe or InfiniBand-class"
+            if busbw > 10
+            else "TCP-class (slow for GPUs: check NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE, NCCL_DEBUG=INFO)"
+        )
+    else:
+        kind = "shared-memory/loopback-class" if busbw > 2 else "TCP-class"
+    return (
+        f"verdict: OK — results correct; peak bus bandwidth {busbw:.2f} GB/s ({kind}); "
+        f"small-message latency {_duration(latency_s)}"
+    )
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size} {unit}"
+        size //= 1024
+    return f"{size} TiB"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def matmul_tflops(device: str, dtype_name: str, threads: int, size: int | None = None, seconds: float = 0.4) -> float:
+    """Dense matmul TFLOP/s one process reaches on `device` with `threads` intra-op threads: the peak to
+    measure MFU against where no data sheet gives one (CPUs)."""
+    import time
+
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    size = size or (4096 if device.startswith("cuda") else 512)  # CPUs without bf16 units are slow at it
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        a @ b  # warm-up: kernel choice, thread pool
+        sync()
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or runs < 1:
+            a @ b
+            runs += 1
+            if runs % 4 == 0:
+                sync()
+        sync()
+        return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
+    finally:
+        torch.set_num_threads(before)
+
+
+def compute_report(nproc: int = 1) -> list[str]:
+    """What one process computes per second here: the peak for MFU on a CPU (monitor.peak_tflops)."""
+    import torch
+
+    from dtrain.distributed import available_cores
+
+    threads = max(1, available_cores() // max(1, nproc))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = {d: matmul_tflops(device, d, threads) for d in ("fp32", "bf16")}
+    where = f"{device}, {threads} thread(s) per process for {nproc} process(es)" if device == "cpu" else device
+    line = f"matmul ({where}): fp32 {measured['fp32']:.3g} TFLOP/s, bf16 {measured['bf16']:.3g} TFLOP/s per process"
+    if device == "cpu":
+        line += (
+            f"; for an MFU on this CPU pass monitor.peak_tflops={measured['fp32']:.3g} "
+            f"(training.precision=bf16: {measured['bf16']:.3g})"
+        )
+    return [line]
+
+
+def main_report(nproc: int = 1) -> int:
+    lines, problems = environment_report()
+    lines += compute_report(nproc)
+    print("\n".join(lines))
+    if problems:
+        print(f"problems ({len(problems)}):")
+        print("\n".join(f"  - {p}" for p in problems))
+        return 1
+    print("problems: none found")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_report())

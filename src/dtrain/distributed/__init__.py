@@ -1,0 +1,72 @@
+"""Inside a worker: who am I, which backend, which device — then init and destroy the process group.
+
+`env` reads the place from the launcher's variables, `group` owns the process group, `collectives` the
+small object collectives, `lifecycle` how a worker lives and leaves under its launcher, `failures` how it
+says that it failed. The names are re-exported here: `distributed.start`, `distributed.barrier`, ...
+"""
+
+from dtrain.distributed.collectives import (
+    barrier,
+    every_rank_raises,
+    first_error,
+    from_rank0,
+    gather_objects,
+    hostnames,
+    rank0_decides,
+)
+from dtrain.distributed.env import (
+    DistEnv,
+    describe_attempt,
+    detect_env,
+    first_slurm_host,
+    in_worker_environment,
+    later_attempt,
+    restart_count,
+)
+from dtrain.distributed.group import (
+    Session,
+    available_cores,
+    bind_device,
+    check_device_capacity,
+    device_index,
+    enable_flight_recorder,
+    resolve_backend,
+    session,
+    set_cpu_threads,
+    set_debug_level,
+    start,
+    stop,
+)
+from dtrain.distributed.lifecycle import LAUNCHED_BY_DTRAIN, die_with_the_launcher, end_worker_process
+
+__all__ = [
+    "LAUNCHED_BY_DTRAIN",
+    "DistEnv",
+    "Session",
+    "available_cores",
+    "barrier",
+    "bind_device",
+    "check_device_capacity",
+    "describe_attempt",
+    "detect_env",
+    "device_index",
+    "die_with_the_launcher",
+    "enable_flight_recorder",
+    "end_worker_process",
+    "every_rank_raises",
+    "first_error",
+    "first_slurm_host",
+    "from_rank0",
+    "gather_objects",
+    "hostnames",
+    "in_worker_environment",
+    "later_attempt",
+    "rank0_decides",
+    "resolve_backend",
+    "restart_count",
+    "session",
+    "set_cpu_threads",
+    "set_debug_level",
+    "start",
+    "stop",
+]

@@ -1,0 +1,279 @@
+"""The process group of one worker: backend, device and threads, then init and destroy — and the
+debug level, the flight recorder and gloo's settling that go with them."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import DistributedConfig
+from dtrain.distributed.env import DistEnv, detect_env
+from dtrain.distributed.lifecycle import die_with_the_launcher
+from dtrain.errors import ConfigError, EnvironmentProblem
+
+# --- backend and device ---------------------------------------------------------------------------
+
+
+def resolve_backend(requested: str) -> str:
+    """'auto' is nccl with CUDA GPUs and gloo without; nccl without GPUs is refused."""
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "nccl" if has_cuda else "gloo"
+    if requested == "nccl" and not has_cuda:
+        raise ConfigError(
+            "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
+            "use distributed.backend=gloo (or auto)"
+        )
+    return requested
+
+
+def check_device_capacity(backend: str, local_world_size: int, gpus: int) -> None:
+    """nccl binds one GPU per process: more local processes than GPUs cannot work.
+
+    Only dtrain's own launcher checks this, counting the GPUs it sees. A worker started by srun or
+    an MPI wrapper may see only the one GPU it was given (CUDA_VISIBLE_DEVICES per task), and that is
+    as it should be: it binds that one.
+    """
+    if backend == "nccl" and local_world_size > gpus:
+        raise ConfigError(
+            f"--nproc {local_world_size} asks for more nccl processes than this "
+            f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo"
+        )
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The GPU a worker binds among those it sees: its own when it sees one per local rank, the only
+    one when it was given exactly one (srun --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""
+    if visible < 1:
+        raise EnvironmentProblem(
+            "this worker sees no GPU (CUDA_VISIBLE_DEVICES hides them all?); give "
+            "every worker at least one GPU, or use distributed.backend=gloo"
+        )
+    return local_rank % visible
+
+
+def bind_device(env: DistEnv) -> torch.device:
+    """Each process computes on its own GPU (LOCAL_RANK) when there are GPUs, else on the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def set_cpu_threads(env: DistEnv, environ: Mapping[str, str] = os.environ) -> int:
+    """Split the cores among the processes on this node, unless OMP_NUM_THREADS says otherwise.
+
+    Over-subscription is the classic CPU slowdown: two processes with two threads each on two cores
+    run at about half speed.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return torch.get_num_threads()
+    threads = max(1, available_cores() // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+# --- the process group ----------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """The distributed context of one worker: its place, backend and device."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+    owns_group: bool  # this session created the process group and must destroy it
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def start(
+    config: DistributedConfig,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    debug: bool = False,
+    diagnostics_dir: Path | None = None,
+) -> Session:
+    """Join (or create) the process group for this worker and bind its device and threads.
+
+    `debug` turns on torch's distributed debug mode (see `set_debug_level`). The flight recorder keeps
+    the last collectives; with nccl, its timeout dump goes under `diagnostics_dir`.
+    """
+    die_with_the_launcher()
+    if dist.is_available() and dist.is_initialized():
+        env = _env_from_group(detect_env(environ))
+        backend = dist.get_backend()
+        if backend == "gloo":
+            _let_gloo_settle_at_exit()
+        set_debug_level(debug, backend)
+        device = bind_device(env)
+        return Session(env, backend, device, owns_group=False)
+
+    env = detect_env(environ)
+    backend = resolve_backend(config.backend)
+    set_debug_level(debug, backend)
+    device = bind_device(env)
+    if device.type == "cpu":
+        set_cpu_threads(env, environ)
+    if env.world_size == 1:
+        return Session(env, backend, device, owns_group=False)
+
+    enable_flight_recorder(diagnostics_dir if backend == "nccl" else None)
+    init_method = config.init_method
+    if init_method == "env://":
+        # SLURM and Open MPI do not set the env:// variables; fill them from what they do set.
+        for name, value in (
+            ("MASTER_ADDR", env.master_addr),
+            ("MASTER_PORT", env.master_port),
+            ("RANK", env.rank),
+            ("WORLD_SIZE", env.world_size),
+            ("LOCAL_RANK", env.local_rank),
+            ("LOCAL_WORLD_SIZE", env.local_world_size),
+        ):
+            os.environ.setdefault(name, str(value))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
+        # Binding the device up front lets nccl create its communicator eagerly and correctly.
+        device_id=device if backend == "nccl" else None,
+    )
+    if backend == "gloo":
+        _let_gloo_settle_at_exit()
+    return Session(env, backend, device, owns_group=True)
+
+
+def stop(session: Session, together: bool = False) -> None:
+    """Destroy the process group if this session made it. `together`: every rank got here in step (a
+    run that ended normally, or an agreed stop), so one more collective is safe — also in a group the
+    user's script made, which may end the moment fit() returns."""
+    if not dist.is_initialized():
+        return
+    if together and session.backend == "gloo" and session.world_size > 1:
+        _let_gloo_settle()
+    if session.owns_group:
+        dist.destroy_process_group()
+
+
+_settling_at_exit = False
+
+
+def _let_gloo_settle_at_exit() -> None:
+    """Before the interpreter tears down, give gloo's thread a moment with the GIL free. A script's last
+    collective (its own, after fit()) leaves that thread dropping Python tensors just as the main
+    thread exits; should it take the GIL once finalisation has begun, Python ends the thread mid-C++
+    and the process aborts ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. No collective here: a rank cannot know that the others are exiting too."""
+    global _settling_at_exit
+    if not _settling_at_exit:
+        import atexit
+        import time
+
+        atexit.register(time.sleep, 0.05)  # the group may be destroyed already, and still held by DDP
+        _settling_at_exit = True
+
+
+def _let_gloo_settle(limit_s: float = 10.0) -> None:
+    """Return once gloo's worker thread has let go of every collective run so far.
+
+    That thread drops a finished collective's tensors after the caller has moved on, and needs the GIL
+    to drop a tensor Python made. DDP keeps the process group past destroy_process_group, and when the
+    user's script then drops the Trainer, the group's destructor joins that thread while holding the
+    GIL: a deadlock (a finished run that never exits). gloo runs its queue in order and drops each
+    collective before the next starts, so once the thread has dropped one last collective of our own,
+    waited for here with the GIL free, nothing it holds needs the GIL any more."""
+    import time
+
+    probe = torch.zeros(1)
+    dist.all_reduce(probe)  # holds no earlier collective (a barrier would)
+    deadline = time.monotonic() + limit_s
+    while probe._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def session(config: DistributedConfig, **options) -> Iterator[Session]:
+    """`with session(cfg.distributed) as s:` — the group is destroyed on success and on error."""
+    s = start(config, **options)
+    try:
+        yield s
+    finally:
+        stop(s)
+
+
+def set_debug_level(debug: bool, backend: str) -> str | None:
+    """TORCH_DISTRIBUTED_DEBUG for this process, set so that torch really uses it: torch reads the
+    variable once, when torch.distributed is imported, so it is told again here. DETAIL (every
+    collective checked across ranks, DDP's runtime statistics logged) on nccl; INFO on gloo, where
+    DDP over DETAIL's checking process-group wrapper dies with SIGSEGV in torch 2.13."""
+    if not debug:
+        return None
+    level = "DETAIL" if backend == "nccl" else "INFO"
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = level
+    dist.set_debug_level_from_env()
+    return level
+
+
+def enable_flight_recorder(diagnostics_dir: Path | None) -> None:
+    """Keep the last collectives of every process group in torch's flight recorder (nccl, and gloo on
+    recent torch), so that a hang can be dumped and read (`HangWatch` dumps it into diagnostics/).
+
+    Current torch reads TORCH_FR_* (and warns about the TORCH_NCCL_* names it replaced); torch
+    before 2.7 reads only TORCH_NCCL_*. A value the user set, under either name, wins. With
+    `diagnostics_dir` (nccl), nccl's own timeout dump is written there too.
+    """
+    current = hasattr(torch._C, "_distributed_c10d") and hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    size, temp_file = (
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+        if current
+        else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    )
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        os.environ[size] = "2000"
+    # nccl's own watchdog also dumps when a collective times out (distributed.timeout_s).
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if diagnostics_dir is not None:
+        diagnostics_dir.mkdir(parents=True, exist_ok=True)
+        if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
+            os.environ[temp_file] = str(diagnostics_dir / "flight-recorder-rank-")
+
+
+def _env_from_group(env: DistEnv) -> DistEnv:
+    # The user initialised the group themselves: trust it over the environment.
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        master_addr=env.master_addr,
+        master_port=env.master_port,
+        launcher=env.launcher,
+    )

@@ -1,0 +1,281 @@
+"""Start workers through torch's own elastic launcher (torchrun), in this process.
+
+dtrain never forks or watches workers itself: it turns its flags into torchrun's, gives the workers a
+sensible thread count, runs the elastic agent, and turns a failed group into one clear report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from dtrain import distributed
+from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
+from dtrain.distributed import netaddr
+
+MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
+
+
+@dataclass
+class LaunchSpec:
+    nproc: int = 1
+    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "dtrain"
+    max_restarts: int = 0
+    local_addr: str | None = None  # this node's address as the other nodes reach it
+    shutdown_grace_s: float = 120.0  # after SIGTERM, before torchrun kills the workers
+    rdzv_timeout: float = 600.0  # seconds a node waits for the others (torchrun's join timeout)
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes != "1"
+
+    def validate(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1; got {self.nproc}")
+        parts = self.nnodes.split(":")
+        if (
+            not all(p.isdigit() and int(p) >= 1 for p in parts)
+            or len(parts) > 2
+            or (len(parts) == 2 and int(parts[0]) > int(parts[1]))
+        ):
+            raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX; got '{self.nnodes}'")
+        if not 1 <= self.rdzv_timeout <= MAX_RDZV_TIMEOUT:  # torchrun takes whole seconds, at least 1
+            raise ConfigError(
+                f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}"
+            )
+        if not 0 <= self.max_restarts <= 10_000:
+            raise ConfigError(f"--max-restarts must be from 0 to 10000; got {self.max_restarts}")
+        if self.nproc > 4096:  # processes per node: no machine runs more
+            raise ConfigError(f"--nproc must be at most 4096; got {self.nproc}")
+        if self.multi_node and not self.rdzv_endpoint:
+            raise ConfigError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that every node can reach)"
+            )
+        if self.rdzv_endpoint and not _is_host_port(self.rdzv_endpoint):
+            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT; got '{self.rdzv_endpoint}'")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.min_nodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.min_nodes - 1}; got {self.node_rank}")
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+def torchrun_args(
+    spec: LaunchSpec, entry: list[str], local_addr: str | None = None, is_host: bool = False
+) -> list[str]:
+    """The torchrun command line (without 'torchrun') for `spec`, running `entry` in each worker."""
+    args = [
+        f"--nproc-per-node={spec.nproc}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--shutdown-timeout={int(spec.shutdown_grace_s)}",
+    ]
+    if not spec.multi_node and not spec.rdzv_endpoint:
+        return args + ["--standalone"] + entry  # a private rendezvous on a free local port
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    if spec.node_rank is not None:
+        args += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=static",
+            f"--node-rank={spec.node_rank}",
+            f"--master-addr={host}",
+            f"--master-port={port}",
+        ]
+    else:
+        args += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
+        # is_host: this node serves the store at the endpoint.
+        args.append(f"--rdzv-conf=join_timeout={int(spec.rdzv_timeout)}" + (",is_host=1" if is_host else ""))
+    if local_addr:
+        args.append(f"--local-addr={local_addr}")
+    return args + entry
+
+
+class _Wait:
+    """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line. `server`
+    is who serves the endpoint; `knobs` what sets the address and the wait."""
+
+    def __init__(
+        self, endpoint: str, timeout: float, server: str = "the first node", knobs: str = "--rdzv-timeout sets the wait"
+    ):
+        self.endpoint, self.timeout, self.server, self.knobs = endpoint, timeout, server, knobs
+        self.deadline = time.monotonic() + timeout
+        self._said = False
+
+    def again(self, reason: str) -> None:
+        """Say so (the first time) and sleep a little; or give up, past the deadline."""
+        if time.monotonic() >= self.deadline:
+            start = "the job on the node" if self.server == "the first node" else self.server
+            raise EnvironmentProblem(
+                f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
+                f"{start} at that address, or check the address, the port and the firewall "
+                f"({self.knobs})"
+            )
+        if not self._said:
+            print(
+                f"dtrain: waiting for the rendezvous at {self.endpoint} ({self.server} serves it) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._said = True
+        time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
+
+
+def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool]:
+    """This node's address and whether it hosts the rendezvous (multi-node only). An endpoint whose
+    name does not resolve yet (a Kubernetes service, a SLURM head node starting) is waited for."""
+    if not spec.rdzv_endpoint:
+        return spec.local_addr, False
+    host = spec.rdzv_endpoint.rpartition(":")[0]
+    while True:
+        try:
+            local, is_host = netaddr.node_address(host)
+            break
+        except socket.gaierror as exc:
+            wait.again(f"{host} does not resolve: {exc.strerror}")
+        except OSError as exc:
+            raise EnvironmentProblem(
+                f"--rdzv-endpoint {spec.rdzv_endpoint}: no route to {host} from this node "
+                f"({exc.strerror or exc}); check the address and this node's network"
+            ) from None
+    if spec.local_addr:
+        try:
+            is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
+        except OSError as exc:
+            raise EnvironmentProblem(
+                f"--local-addr {spec.local_addr} does not resolve ({exc.strerror or exc}); give "
+                f"this node's address as the other nodes reach it"
+            ) from None
+        local = spec.local_addr
+    return local, is_host
+
+
+def wait_for_endpoint(wait: _Wait) -> None:
+    """Wait until something listens at the rendezvous endpoint (the first node's store). Left to torch,
+    an endpoint that is not up yet fills the screen with C++ stack traces and ends in an exception a
+    minute or more later."""
+    host, _, port = wait.endpoint.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, wait.timeout)):
+                return
+        except OSError as exc:
+            wait.again(exc.strerror or type(exc).__name__)
+
+
+def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
+    """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
+    waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
+    if env.world_size > 1 and env.rank != 0:
+        wait_for_endpoint(
+            _Wait(
+                f"{env.master_addr}:{env.master_port}",
+                timeout,
+                server="rank 0",
+                knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
+            )
+        )
+
+
+def launch(spec: LaunchSpec, entry: list[str]) -> int:
+    """Run `entry` in `spec.nproc` workers per node under torchrun; the job's exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
+    from torch.distributed.run import get_args_parser, run
+
+    spec.validate()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would set 1; split the cores among the local workers instead.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, distributed.available_cores() // spec.nproc))
+    os.environ[distributed.LAUNCHED_BY_DTRAIN] = str(os.getpid())  # the workers' parent: see die_with_the_launcher
+    # Give each restarted group a fresh rendezvous store: when the workers share the agent's store, a
+    # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    wait = _Wait(spec.rdzv_endpoint, spec.rdzv_timeout) if spec.rdzv_endpoint else None
+    local_addr, is_host = _own_address(spec, wait)
+    if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = netaddr.interface_of(local_addr)
+        if interface:  # gloo would otherwise bind whatever the hostname resolves to
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    serves_endpoint = is_host if spec.node_rank is None else spec.node_rank == 0
+    if wait and not serves_endpoint:
+        wait_for_endpoint(wait)
+    _quiet_elastic_logs()
+    args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as exc:
+        return _report_failure(exc)
+    except SignalException as exc:
+        # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
+        return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+    except RendezvousTimeoutError:
+        print(
+            f"dtrain: error: not enough nodes joined the rendezvous at {spec.rdzv_endpoint} within "
+            f"{spec.rdzv_timeout:g} s (--nnodes {spec.nnodes}): start the job on the other nodes with the same "
+            f"--rdzv-endpoint, or raise --rdzv-timeout",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_USAGE
+    except RendezvousError as exc:
+        print(
+            f"dtrain: error: the nodes could not form a group ({type(exc).__name__}: {exc}); check "
+            f"that --rdzv-endpoint is reachable from every node and --nnodes matches",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
+def _report_failure(exc) -> int:
+    """Print the first failure once: a bad-input or hang line as it is, a crash with its rank and
+    traceback."""
+    rank, failure = exc.get_first_failure()
+    for code in (EXIT_USAGE, EXIT_HANG):  # already one line meant for people: print it as it is
+        said = next((f for f in exc.failures.values() if f.exitcode == code), None)
+        if said is not None:
+            print(f"dtrain: error: {said.message}", file=sys.stderr, flush=True)
+            return code
+    if failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()}"
+    else:
+        what = f"exited with status {failure.exitcode}"
+    detail = failure.message if failure.message and "pytorch.org/docs" not in failure.message else ""
+    print(
+        f"dtrain: error: rank {rank} (local rank {failure.local_rank}) {what}" + (f":\n{detail}" if detail else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
+def _quiet_elastic_logs() -> None:
+    # The elastic agent narrates every restart and shutdown at WARNING; dtrain reports failures
+    # itself. DTRAIN_VERBOSE=1 brings the agent's own account back.
+    if not os.environ.get("DTRAIN_VERBOSE"):
+        for name in ("torch.distributed.elastic", "torch.distributed.run"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -1,0 +1,61 @@
+"""The launcher's checks before any worker starts: a job that cannot run here is refused at once, in one
+line, with nothing written; data it may download is fetched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dtrain import checkpoint, data, distributed, parallel, rundir
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.launch import gpus as devices
+from dtrain.observe.trackers import check_installed
+from dtrain.parallel.ddp_comm import check_comm_hook
+from dtrain.rundir.lock import RunDirLock
+from dtrain.train.amp import precision_problem
+
+
+def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> None:
+    """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
+    run_dir = Path(config.run.dir)
+    rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
+    rundir.check_usable(run_dir)
+    check_installed([t for t in config.monitor.trackers if t != "tensorboard"])
+    backend = distributed.resolve_backend(config.distributed.backend)
+    check_comm_hook(config.distributed.comm_hook, backend)
+    problem = parallel.check_sharding(config, world_size, local_world_size)
+    if problem:
+        raise ConfigError(problem)
+    gpus = devices.visible_gpus()
+    distributed.check_device_capacity(backend, local_world_size, len(gpus))
+    # The devices the workers will bind: the first GPUs, or this CPU.
+    targets = [("cuda", g.name, g.capability) for g in gpus[:local_world_size]] or [("cpu", "", (0, 0))]
+    for device_type, name, capability in targets:
+        problem = precision_problem(
+            config.training.precision, device_type, name, capability, rocm=torch.version.hip is not None
+        )
+        if problem:
+            raise ConfigError(problem)
+    if config.training.compile != "none":
+        problem = parallel.blocks.compiler_problem(targets[0][0])
+        if problem:
+            raise ConfigError(problem)
+    data.fetch(config)
+    data.check(config, world_size)
+    n_train = data.size_hint(config)
+    if n_train is not None:
+        data.check_shardable(config, n_train, world_size)
+    rundir.check_contents(run_dir, config.run.allow_other_files)
+    fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
+    # Token data is served in an order that does not depend on the world size; a factory's may be.
+    global_order = True if config.data.name == "tokens" else (None if ":" in config.data.name else False)
+    resume_from = checkpoint.preflight(config, run_dir, world_size, global_order, fresh=fresh)
+    if world_size > local_world_size:
+        return  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
+    RunDirLock(run_dir).check_free()
+    # Refused now if it must be; deleted (run.overwrite) only by rank 0 once the run has started.
+    rundir.earlier_outputs(
+        run_dir, resuming=resume_from is not None, overwrite=fresh, again=distributed.later_attempt()
+    )

@@ -1,0 +1,68 @@
+"""`dtrain generate RUN_DIR --prompt TEXT`: a sample from a trained language model, decoded with the
+tokenizer of the data it trained on — people would rather read a sample than a loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dtrain import models
+from dtrain.config import load_config
+from dtrain.data import tokens
+from dtrain.errors import DtrainError
+
+MAX_TOKENS = 100_000  # a sample to read, not a corpus
+
+
+def generate(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> str:
+    """The prompt and its continuation, as text."""
+    from safetensors.torch import load_model
+
+    from dtrain.data.prepare import load_tokenizer
+
+    run_dir = Path(run_dir)
+    config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
+    for path in (config_file, weights):
+        if not path.is_file():
+            raise DtrainError(f"{path} does not exist: RUN_DIR must be the run.dir of a finished run")
+    config = load_config(config_file)
+    if config.data.name != "tokens":
+        raise DtrainError(
+            f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
+            f"trained on token data (data.name=tokens)"
+        )
+    if not 0 < temperature < float("inf") or not 1 <= max_new_tokens <= MAX_TOKENS or top_k < 0:
+        raise DtrainError(
+            f"--temperature must be a number above 0, --tokens from 1 to {MAX_TOKENS:,} and --top-k at least 0"
+        )
+    kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
+    meta = kept if kept is not None else tokens.read_meta(config.data.path)
+    tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
+    model = models.build(config.model, (config.data.block_size,), meta["vocab_size"])
+    if not callable(getattr(model, "generate", None)):
+        raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
+    try:
+        load_model(model, str(weights))
+    except Exception as exc:
+        raise DtrainError(
+            f"{weights} does not fit model '{config.model.name}' as config.toml builds it ({exc})"
+        ) from None
+    model.eval()
+    ids = tokenizer.encode(prompt)
+    ids = ids if isinstance(ids, list) else ids.ids
+    if not ids:
+        ids = [meta["eot_token"]]  # an empty prompt: start as after a document
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k or None, generator=generator
+    )
+    new = [i for i in out[0, len(ids) :].tolist()]
+    return prompt + tokenizer.decode(new)

@@ -1,0 +1,183 @@
+"""The numbers behind each logged line, gathered from every rank in one collective.
+
+During the window between log steps the training step only adds to device scalars (loss, finite
+gradient norms and their count, steps GradScaler skipped) and counts samples on the host; the step
+timer keeps its marks. At a log step `StepMetrics.take` gathers one small vector from every rank —
+those sums, the rank's stop request, its own clock for the window and its time split — and turns it
+into the record: global samples/s, the step-time breakdown, MFU, per-rank busy time and the ranks that
+straggle. That gather is the only place the host waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.observe.memory import FIELDS as memory_fields
+from dtrain.observe.perf import stragglers
+from dtrain.observe.steptime import PHASES, StepTimer
+
+
+class StepMetrics:
+    def __init__(
+        self,
+        device: torch.device,
+        world_size: int,
+        timer: StepTimer,
+        hosts: list[str],
+        flops_per_sample: float | None,
+        peak_flops: float | None,
+        straggler_margin: float,
+        count_skips: bool = False,
+    ):
+        self.loss_sum = torch.zeros((), device=device)  # added to every step, read only here
+        self.norm_sum = torch.zeros((), device=device)  # finite norms only: a skipped fp16 step's is inf
+        self.norm_count = torch.zeros((), device=device)
+        self.skipped_sum = torch.zeros((), device=device)  # steps GradScaler skipped (fp16)
+        self.count_skips = count_skips
+        self.device = device
+        self.world_size = world_size
+        self.timer = timer
+        self.hosts = hosts
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_flops
+        self.margin = straggler_margin
+        self._steps = 0
+        self._samples = 0
+        self._tokens: int | None = None  # counted only for token-sequence data
+        self._start = time.perf_counter()
+        self._paused_at: float | None = None
+        self._windows = 0
+        # A step left out of the rates (torch.compile's first): its samples, tokens and seconds.
+        self._untimed: tuple[int, int | None, float] | None = None
+        # Set by the trainer after its first step: this rank's (parameter, gradient, optimizer-state)
+        # bytes and how to read its peak memory; sent with the next gather, then cleared.
+        self.held: tuple[int, int, int] | None = None
+        self.peak: Callable[[], tuple[int, str]] | None = None
+
+    def restart(self) -> None:
+        """Start the window afresh (set-up time is not training time)."""
+        self._steps, self._samples, self._tokens, self._start = 0, 0, None, time.perf_counter()
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        finite = torch.isfinite(norm)
+        self.norm_sum += torch.where(finite, norm, 0.0)
+        self.norm_count += finite
+
+    def step_done(self, samples: int, tokens: int | None = None) -> None:
+        self._steps += 1
+        self._samples += samples
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) + tokens
+
+    def leave_out_of_rates(self, samples: int, tokens: int | None, seconds: float) -> None:
+        """The step just done (its time paused) does not count in samples/s and tokens/s: torch.compile's
+        first step. Only a window holding no other step reports it, as the best figure there is."""
+        self._samples -= samples
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) - tokens
+        self._untimed = (samples, tokens, seconds)
+
+    def pause(self) -> None:
+        """Evaluation and checkpoints do not count as training time."""
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._start += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def take(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+        """The window's record (every rank gets the same) and whether any rank asked to stop."""
+        untimed, self._untimed = self._untimed, None
+        if untimed is not None and self._steps == 1:  # nothing else in the window: report what there is
+            self._samples, self._tokens = untimed[0], untimed[1]
+            self._start -= untimed[2]
+            untimed = None
+        timed_steps = self._steps - (untimed is not None)
+        phases = self.timer.take() if self.timer.enabled else None  # on CUDA: the window's work is done
+        # This rank's own clock for the window, read before the gather: every step it timed lies inside
+        # it, so the phases can never add up to more than the step time they break down.
+        own_seconds = max(time.perf_counter() - self._start, 1e-9)
+        split = [phases[p] for p in PHASES] if phases else []
+        measured = self.held is not None and self.peak is not None
+        memory = [*self.held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
+        local = torch.tensor(
+            [0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory, *split],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        for column, total in (
+            (_LOSS, self.loss_sum),
+            (_NORM, self.norm_sum),
+            (_NORMS, self.norm_count),
+            (_SKIPPED, self.skipped_sum),
+        ):
+            local[column] += total.double()
+            total.zero_()
+        rows = _gather(local, self.world_size).tolist()  # the one host sync of the window
+
+        now = time.perf_counter()
+        seconds = max(now - self._start, 1e-9)  # rank 0's gather to gather: throughput over a run adds up
+        per_step = max(self._steps, 1) * self.world_size
+        samples_per_s = self._samples * self.world_size / seconds
+        record: dict[str, Any] = {"loss": sum(r[_LOSS] for r in rows) / per_step}
+        norms = sum(r[_NORMS] for r in rows)
+        if norms:  # none when every step of the window was skipped
+            record["grad_norm"] = sum(r[_NORM] for r in rows) / norms
+        if self.count_skips:  # gradients are synchronised: every rank skips the same steps
+            record["skipped_steps"] = int(max(r[_SKIPPED] for r in rows))
+        record["samples_per_s"] = samples_per_s
+        if self._tokens is not None:
+            record["tokens_per_s"] = self._tokens * self.world_size / seconds
+        stop = any(r[_STOP] > 0 for r in rows)
+        if all(r[_MEASURED] for r in rows):  # once: the first log step after each rank measured its own
+            record.update({name: [int(r[_MEMORY0 + i]) for r in rows] for i, name in enumerate(memory_fields)})
+            self.held = self.peak = None
+        if phases is not None:
+            record.update(self._breakdown(rows, timed_steps))
+        self._windows += 1
+        if self.flops_per_sample is not None:
+            record["flops_per_sample"] = self.flops_per_sample
+            if self.peak_flops:
+                record["mfu"] = self.flops_per_sample * samples_per_s / (self.world_size * self.peak_flops)
+        self._steps, self._samples, self._tokens, self._start = 0, 0, None, now
+        return record, stop
+
+    def _breakdown(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
+        def mean(column: int) -> float:
+            return sum(r[column] for r in rows) / len(rows)
+
+        phase = {p: _PHASE0 + i for i, p in enumerate(PHASES)}
+        busy = [r[phase["data"]] + r[phase["compute"]] + r[phase["optimizer"]] for r in rows]  # not waiting
+        # The first window holds one-off warm-up work (kernel selection, allocator growth): not judged.
+        slow = stragglers(busy, self.margin) if self._windows > 0 else []
+        out: dict[str, Any] = {
+            "step_ms": 1000 * mean(_OWN_SECONDS) / max(steps, 1),
+            **{
+                f"{p}_ms": mean(column)
+                for p, column in phase.items()
+                if not (p == "comm" and self.timer.comm_inside_compute)
+            },  # counted as compute, not 0
+            "rank_busy_ms": busy,
+        }
+        if slow:
+            out["stragglers"] = [{"rank": r, "host": self.hosts[r], "slower": share} for r, share in slow]
+        return out
+
+
+# Columns of the vector each rank contributes to the gather.
+_LOSS, _NORM, _NORMS, _SKIPPED, _STOP, _OWN_SECONDS, _MEASURED, _MEMORY0 = range(8)
+_PHASE0 = _MEMORY0 + len(memory_fields)
+
+
+def _gather(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size == 1 or not dist.is_initialized():
+        return local.unsqueeze(0)
+    rows = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(rows, local)
+    return torch.stack(rows)

@@ -1,0 +1,181 @@
+"""What a run reports: rank 0's console (a progress bar on a terminal, plain lines otherwise),
+`metrics.jsonl`, TensorBoard event files and the other trackers monitor.trackers names (trackers.py).
+Every rank holds a Monitor; only rank 0's writes.
+
+The trainer hands over numbers already reduced across ranks and already on the host — the monitor
+never touches the device, so it cannot add a sync to the training step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtrain.observe.memory import FIELDS as memory_fields
+from dtrain.observe.trackers import open_trackers
+
+# TensorBoard tags for the keys of a metrics record.
+TB_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "skipped_steps": "train/skipped_steps",  # fp16: steps GradScaler skipped in the window
+    "samples_per_s": "train/samples_per_s",
+    "tokens_per_s": "train/tokens_per_s",  # token data
+    "eval_loss": "eval/loss",
+    "eval_accuracy": "eval/accuracy",
+    "eval_perplexity": "eval/perplexity",
+    "step_ms": "time/step_ms",
+    "data_ms": "time/data_ms",
+    "compute_ms": "time/compute_ms",
+    "comm_ms": "time/comm_ms",
+    "optimizer_ms": "time/optimizer_ms",
+    "mfu": "perf/mfu",
+}
+
+
+class Monitor:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        total_steps: int,
+        initial_step: int = 0,
+        progress_bar: bool | None = None,
+        purge_after: int | None = None,
+        trackers: list[str] = ("tensorboard",),
+        config: dict[str, Any] | None = None,
+    ):
+        self.enabled = enabled
+        self._stragglers: tuple = ()
+        self._bar = None
+        self._writer = None
+        self._metrics = None
+        self._trackers: list[Any] = []
+        if not enabled:
+            return
+        if "tensorboard" in trackers:
+            from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
+
+            # On resume, TensorBoard drops what the interrupted run logged after the checkpoint.
+            self._writer = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=None if purge_after is None else purge_after + 1
+            )
+        self._trackers = open_trackers(
+            [t for t in trackers if t != "tensorboard"], run_dir, config or {}, resuming=purge_after is not None
+        )
+        self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
+        if progress_bar is None:
+            progress_bar = sys.stderr.isatty()
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def advance(self) -> None:
+        """One optimizer step done (cheap: tqdm redraws at most every 0.1 s)."""
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one metrics record (train or eval) everywhere it belongs."""
+        if not self.enabled:
+            return
+        if self._writer is not None:
+            self._tensorboard(record)
+        for tracker in self._trackers:
+            tracker.log(record)
+        self._metrics.write(json.dumps(_strict_json(record)) + "\n")
+        self._metrics.flush()
+        line = format_record(record)
+        if self._bar is not None and "eval_loss" not in record:
+            self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress
+        else:
+            self.info(line)
+        slow = tuple((s["rank"], s["host"]) for s in record.get("stragglers", ()))
+        if slow != self._stragglers and "loss" in record:
+            self._stragglers = slow
+            for s in record.get("stragglers", ()):
+                self.info(
+                    f"straggler: rank {s['rank']} on {s['host']} is {s['slower']:.0%} slower than the "
+                    f"median rank (busy {record['rank_busy_ms'][s['rank']]:.1f} ms per step, "
+                    f"waiting excluded)"
+                )
+
+    def _tensorboard(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, tag in TB_TAGS.items():
+            if record.get(key) is not None:
+                self._writer.add_scalar(tag, record[key], step)
+        for key, value in record.items():  # the user's eval_metrics
+            if key.startswith("eval_") and key not in TB_TAGS and key != "eval_samples" and isinstance(value, float):
+                self._writer.add_scalar(f"eval/{key[len('eval_') :]}", value, step)
+        for name in memory_fields:  # once, at the first log step
+            for rank, size in enumerate(record.get(name, [])):
+                self._writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
+        for rank, ms in enumerate(record.get("rank_busy_ms", [])):
+            self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+
+
+# How each metric reads on the console, in this order.
+CONSOLE_FORMATS = [
+    ("loss", "loss {:.4f}"),
+    ("lr", "lr {:.3g}"),
+    ("grad_norm", "grad_norm {:.3g}"),
+    ("samples_per_s", "{:,.0f} samples/s"),
+    ("tokens_per_s", "{:,.0f} tokens/s"),
+    ("step_ms", "step {:.1f} ms"),
+    ("mfu", "MFU {:.1%}"),
+    ("eval_loss", "eval_loss {:.4f}"),
+    ("eval_accuracy", "eval_accuracy {:.2%}"),
+    ("eval_perplexity", "eval_perplexity {:.4g}"),
+]
+
+
+def format_record(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}", f"epoch {record['epoch']}"]
+    for key, fmt in CONSOLE_FORMATS:
+        if record.get(key) is not None:
+            parts.append(fmt.format(record[key]))
+            if key == "step_ms":  # where the step went
+                parts[-1] += " = " + " + ".join(
+                    f"{name} {record[f'{name}_ms']:.1f}" if f"{name}_ms" in record else f"{name} not measured"
+                    for name in ("data", "compute", "comm", "optimizer")
+                )
+    return " | ".join(parts)
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with nan and inf as null: metrics.jsonl stays JSON every parser reads (a diverged loss)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(v) for v in value]
+    return value

@@ -1,0 +1,121 @@
+"""Experiment trackers beyond TensorBoard and metrics.jsonl: MLflow and Weights & Biases, on rank 0 only.
+
+    monitor.trackers = ["tensorboard", "mlflow", "wandb"]
+
+MLflow logs to a local store under run.dir/mlruns unless MLFLOW_TRACKING_URI names a server (experiment
+MLFLOW_EXPERIMENT_NAME, default "dtrain"); W&B writes under run.dir/wandb and honours WANDB_MODE=offline
+(project WANDB_PROJECT, default "dtrain"). Both get the resolved config as parameters and every numeric
+metric of every record at its step. Each is an optional extra, named in one line when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ConfigError
+
+KNOWN = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}  # name → what to install
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
+def check_installed(names: list[str]) -> None:
+    """Refuse, before anything starts, a tracker that is not installed here."""
+    for name in names:
+        if not _installed(name):
+            raise ConfigError(
+                f"monitor.trackers names {name}, which is not installed here; pip install "
+                f"{KNOWN[name]} (or pip install 'dtrain[trackers]'), or drop it from monitor.trackers"
+            )
+
+
+def flat(config: dict[str, Any]) -> dict[str, Any]:
+    """{"optimizer": {"lr": 0.1}} → {"optimizer.lr": 0.1}: how MLflow takes parameters."""
+    return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+
+
+def numbers(record: dict[str, Any]) -> dict[str, float]:
+    """The record's numeric metrics (not its step, epoch or clock)."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in ("step", "epoch", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+class MLflowTracker:
+    """A resumed run continues the MLflow run it started (found by its run.dir tag)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # The local file store needs this opt-in since MLflow 3.7; the database store needs the full
+            # mlflow package. A server (MLFLOW_TRACKING_URI) needs neither.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
+        experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dtrain"))
+        self._mlflow = mlflow
+        where = str(run_dir.absolute())
+        earlier = (
+            mlflow.search_runs(
+                [experiment.experiment_id],
+                filter_string=f"tags.`dtrain.run_dir` = '{where}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+                output_format="list",
+            )
+            if resuming
+            else []
+        )
+        if earlier:
+            self._run = mlflow.start_run(run_id=earlier[0].info.run_id)
+        else:
+            self._run = mlflow.start_run(run_name=run_dir.absolute().name, tags={"dtrain.run_dir": where})
+            mlflow.log_params({k: str(v)[:500] for k, v in flat(config).items()})
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._mlflow.log_metrics(numbers(record), step=record["step"])
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+class WandbTracker:
+    """A resumed run continues the W&B run it started (its id read from run.dir/wandb/latest-run)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
+        import wandb
+
+        latest = run_dir / "wandb" / "latest-run"
+        earlier = os.readlink(latest).rsplit("-", 1)[-1] if resuming and latest.is_symlink() else None
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "dtrain"),
+            dir=str(run_dir),
+            config=config,
+            name=run_dir.absolute().name,
+            id=earlier,
+            resume="allow" if earlier else None,
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._run.log(numbers(record), step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], resuming: bool = False) -> list[Any]:
+    """The trackers besides TensorBoard (which the monitor writes itself), started; `resuming`: the run
+    continues from a checkpoint, and each tracker continues its own earlier run."""
+    check_installed(names)
+    kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
+    return [kinds[name](run_dir, config, resuming) for name in names if name in kinds]

@@ -1,0 +1,85 @@
+"""Eval metrics for any model, summed over one rank's batches and reduced across ranks exactly.
+
+`eval_loss` always: the mean over samples, or over target tokens for a language model (its
+`eval_perplexity` is exp of that). `eval_accuracy` only where outputs are class scores against integer
+classes. `Trainer(eval_metrics=fn)`: `fn(output, batch)` returns per-batch means, averaged over every
+eval sample. Sums stay on the device in float64 until the end: one host sync per evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dtrain import distributed
+from dtrain.data.batch import IGNORE_INDEX
+from dtrain.errors import DtrainError
+from dtrain.train.loss import logits_of
+
+EvalMetrics = Callable[[Any, Any], Mapping[str, Any]]
+
+
+class EvalSums:
+    def __init__(self, device: torch.device, user_metrics: EvalMetrics | None = None):
+        self.device = device
+        self.user_metrics = user_metrics
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def _add(self, name: str, value: Any) -> None:
+        value = torch.as_tensor(value, device=self.device).detach().double()
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def add(self, loss: torch.Tensor, output: Any, target: Any, batch: Any, samples: int) -> None:
+        self._add("samples", samples)
+        self._add("loss", loss * samples)
+        logits = logits_of(output) if output is not None else None
+        integer_target = isinstance(target, torch.Tensor) and not target.is_floating_point()
+        if logits is not None and integer_target and target.dim() >= 2 and logits.dim() == target.dim() + 1:
+            # A language model: its loss is a mean over the target tokens that count (not -100).
+            tokens = (target != IGNORE_INDEX).sum()
+            self._add("lm_samples", samples)
+            self._add("lm_tokens", tokens)
+            self._add("lm_loss", loss * tokens)
+        elif logits is not None and integer_target and logits.dim() == 2 and target.dim() == 1:
+            self._add("classified", samples)
+            self._add("correct", (logits.argmax(dim=1) == target).sum())
+        if self.user_metrics is not None:
+            returned = self.user_metrics(output, batch)
+            if not isinstance(returned, Mapping):
+                raise DtrainError(
+                    f"eval_metrics returned {type(returned).__name__}; return a dict of names to "
+                    f'numbers (each the batch\'s mean), e.g. {{"top5": 0.93}}'
+                )
+            for name, value in returned.items():
+                if not isinstance(value, (int, float, torch.Tensor)) or torch.as_tensor(value).numel() != 1:
+                    raise DtrainError(
+                        f"eval_metrics returned {name}={type(value).__name__}; return one number "
+                        f"per name (the batch's mean)"
+                    )
+                self._add(f"user:{name}", torch.as_tensor(value) * samples)
+
+    def result(self) -> dict[str, float]:
+        """The metrics over every rank's batches (a collective: every rank calls it)."""
+        names = sorted(self.sums)
+        local = dict(zip(names, torch.stack([self.sums[n] for n in names]).tolist())) if names else {}
+        totals: dict[str, float] = {}
+        for sums in distributed.gather_objects(local):  # rank order: every rank adds the same way
+            for name, value in sums.items():
+                totals[name] = totals.get(name, 0.0) + value
+        samples = totals.get("samples", 0.0)
+        if not samples:
+            return {}
+        result: dict[str, float] = {"eval_loss": totals["loss"] / samples, "eval_samples": int(samples)}
+        if totals.get("lm_samples") == samples and totals.get("lm_tokens"):
+            result["eval_loss"] = totals["lm_loss"] / totals["lm_tokens"]
+            result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
+        if totals.get("classified") == samples:
+            result["eval_accuracy"] = totals["correct"] / samples
+        for name, value in totals.items():
+            if name.startswith("user:"):
+                key = name[len("user:") :]
+                result[key if key.startswith("eval_") else f"eval_{key}"] = value / samples
+        return result

@@ -1,0 +1,103 @@
+"""One worker process: a config-described job's run (session, data, model, Trainer), and the wrapper that
+turns any worker's failure into one report and its exit status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain import data, distributed, models
+from dtrain.config import Config
+from dtrain.data import tokens
+from dtrain.distributed.failures import report
+from dtrain.errors import EXIT_USAGE, DtrainError, Preempted
+from dtrain.train.trainer import Trainer
+
+
+def run(config: Config) -> dict[str, Any]:
+    """Train the job in this process, as one worker of however many the environment says."""
+    with distributed.session(
+        config.distributed, debug=config.monitor.debug, diagnostics_dir=Path(config.run.dir) / "diagnostics"
+    ) as session:
+        if config.data.download and session.env.local_rank == 0:
+            data.fetch(config)
+        distributed.barrier()
+        splits = data.build(config)
+        torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
+        model = models.build(config.model, splits.input_shape, splits.num_classes)
+        trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
+        if config.data.name == "tokens":
+            trainer.setup()  # run.dir taken: keep the tokenizer beside the weights, for `dtrain generate`
+            error = None
+            if session.is_main:
+                try:
+                    tokens.keep_tokenizer(config.data.path, Path(config.run.dir))
+                except (OSError, DtrainError) as exc:
+                    error = f"could not keep the tokenizer in {config.run.dir}/tokenizer ({exc})"
+            error = distributed.first_error(error)
+            if error:
+                raise DtrainError(error)
+        return trainer.fit()
+
+
+def worker_main(config: Config) -> int:
+    """Train `config` as a worker; failures reported as `as_worker` says."""
+    return as_worker(lambda: run(config))
+
+
+def as_worker(work: Callable[[], Any]) -> int:
+    """Run `work` as a worker; turn failures into one report (exit 2 for bad input, 1 for a crash).
+
+    Under dtrain's launcher a worker writes its error to torchrun's error file and prints nothing:
+    the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
+    prints a bad-input message and the other ranks stay quiet. One of several workers ends its
+    process here (`distributed.end_worker_process`); a single process returns the exit status.
+    """
+    distributed.die_with_the_launcher()
+    env = _env_or_single()
+    code = _run_reported(work, env.rank)
+    if env.world_size > 1:
+        distributed.end_worker_process(code)
+    return code
+
+
+def _run_reported(work: Callable[[], Any], rank: int) -> int:
+    try:
+        work()
+        return 0
+    except SystemExit as exc:  # a launched script's own sys.exit(...)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr, flush=True)
+        return 1
+    except Preempted as exc:
+        if rank == 0:
+            print(f"dtrain: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker: the launcher says it once
+        return 128 + signal.SIGINT
+    except DtrainError as exc:
+        report(str(exc), rank, traceback_text=None)
+        if rank != 0 and not os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
+            # Only rank 0 prints: under plain torchrun the first rank to exit gets the others stopped,
+            # and rank 0, reaching the same error a moment later, would be stopped before saying it.
+            time.sleep(2.0)
+        return EXIT_USAGE
+    except Exception as exc:
+        report(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
+        return 1
+
+
+def _env_or_single() -> distributed.DistEnv:
+    try:
+        return distributed.detect_env()
+    except DtrainError:  # an impossible environment: the worker's own start reports it
+        return distributed.DistEnv()
