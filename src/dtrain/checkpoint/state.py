@@ -45,6 +45,8 @@ class Parts:
     identity: dict[str, Any] = field(default_factory=dict)
     # What may change on resume and is said when it does (distributed.strategy, training.compile, ...).
     setup: dict[str, Any] = field(default_factory=dict)
+    # Stateful objects registered by name (Trainer.register_for_checkpointing): saved and restored too.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:

@@ -49,8 +49,7 @@ def environment_report() -> tuple[list[str], list[str]]:
     import torch.distributed as dist
 
     from dtrain import __version__
-    from dtrain.distributed import available_cores
-    from dtrain.distributed import netaddr
+    from dtrain.distributed import available_cores, netaddr
     from dtrain.train.amp import precision_problem
 
     lines, problems = [], []

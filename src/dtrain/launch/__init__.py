@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 
 from dtrain import distributed
-from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 from dtrain.distributed import netaddr
+from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
 

@@ -21,6 +21,14 @@ from dtrain.observe.steptime import StepTimer
 from dtrain.parallel import blocks
 from dtrain.parallel.base import Strategy
 
+SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the state
+
+
+def shards_state(config: Config) -> bool:
+    """Whether `distributed.strategy` shards parameters, gradients and optimizer state (before the
+    strategy exists: a built one says so itself, `Strategy.shards_state`)."""
+    return config.distributed.strategy in SHARDED
+
 
 def build(config: Config, session: Session, module: nn.Module, timer: StepTimer) -> Strategy:
     """Spread `module` (already on its device) as `distributed.strategy` says."""
@@ -30,11 +38,12 @@ def build(config: Config, session: Session, module: nn.Module, timer: StepTimer)
     units = blocks.prepare(module, config, session.device, quiet=session.rank != 0)  # checkpointing, compile
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
-    if config.distributed.strategy in ("fsdp", "hsdp"):
+    if shards_state(config):
         from dtrain.parallel.fsdp import FSDP
 
-        timer.comm_inside_compute = True
-        return FSDP(module, session, config, units)
+        strategy = FSDP(module, session, config, units)
+        timer.comm_inside_compute = strategy.comm_in_compute
+        return strategy
     from dtrain.parallel.ddp import DDP
 
     return DDP(module, session, config.distributed, timer, breakdown=config.monitor.breakdown)
@@ -44,7 +53,7 @@ def check_sharding(config: Config, world_size: int, local_world_size: int) -> st
     """What a sharded strategy cannot do with this config and world (the launcher checks it before any
     worker starts), or None."""
     dc, name = config.distributed, config.distributed.strategy
-    if name not in ("fsdp", "hsdp"):
+    if name not in SHARDED:
         return None
     if config.training.precision == "fp16":
         return (

@@ -14,10 +14,15 @@ class Strategy:
     own module, whose state dict (plain tensors, or DTensor shards under FSDP) checkpoints read.
     """
 
-    name = "single"
+    # What the rest of dtrain may ask of a strategy, so that nothing outside parallel/ names one:
     # Whether the forward pass is itself a collective (FSDP gathers parameters in it): then every rank
     # must run the same number of forward passes, in evaluation too.
     forward_is_collective = False
+    # Whether each process holds only a shard of the parameters, gradients and optimizer state.
+    shards_state = False
+    # Whether its communication runs inside forward and backward (FSDP's gathers and reduce-scatters),
+    # so the step time has no communication phase of its own to measure.
+    comm_in_compute = False
 
     def __init__(self, module: nn.Module):
         self.module = module

@@ -34,8 +34,6 @@ _MODEL_MISMATCH = (
 
 
 class DDP(Strategy):
-    name = "ddp"
-
     def __init__(
         self, module: nn.Module, session: Session, config: DistributedConfig, timer: StepTimer, breakdown: bool
     ):

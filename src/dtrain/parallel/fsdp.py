@@ -24,8 +24,9 @@ from dtrain.parallel.blocks import check_unshared
 
 
 class FSDP(Strategy):
-    name = "fsdp"
     forward_is_collective = True
+    shards_state = True
+    comm_in_compute = True
 
     def __init__(self, module: nn.Module, session: Session, config: Config, units: list[nn.Module]):
         super().__init__(module)

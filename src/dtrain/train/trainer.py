@@ -65,7 +65,7 @@ class Trainer:
     batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
     loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
-    eval sample exactly. After `setup()`, `parallel` is the strategy spreading the model over the
+    eval sample exactly. After `setup()`, `strategy` is the strategy spreading the model over the
     processes (`distributed.strategy`), `model` what the step calls (DDP's wrapper; under FSDP the
     sharded module itself; the plain module at world size 1), `module` the user's own.
     """
@@ -91,10 +91,36 @@ class Trainer:
         self.collate_fn = collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
-        self.parallel: parallel.Strategy | None = None
+        self.strategy: parallel.Strategy | None = None
         self.step = 0  # optimizer steps taken
         self.epoch = 0
         self.run_dir = Path(self.config.run.dir)
+        # More state the checkpoints carry beside the model, optimizer and schedule: see
+        # register_for_checkpointing.
+        self.checkpoint_parts: dict[str, Any] = {}
+
+    @property
+    def parallel(self) -> parallel.Strategy | None:
+        """The strategy, by its name before 0.2 (`strategy` now, as in Lightning Fabric)."""
+        return self.strategy
+
+    def register_for_checkpointing(self, **parts: Any) -> None:
+        """Checkpoint these objects with the run and restore them on resume, by name:
+        `trainer.register_for_checkpointing(ema=ema)`. Each has `state_dict()` and `load_state_dict()`
+        (torch's Stateful protocol), as Accelerate's `register_for_checkpointing` asks. Call it before
+        `setup()` or `fit()`: resuming happens in set-up."""
+        if self.session is not None:
+            raise DtrainError(
+                "register_for_checkpointing() after setup(): the run has resumed already; register "
+                "before setup() or fit()"
+            )
+        for name, part in parts.items():
+            if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+                raise DtrainError(
+                    f"register_for_checkpointing({name}=...) needs an object with state_dict() and "
+                    f"load_state_dict(); {type(part).__name__} has not both"
+                )
+        self.checkpoint_parts.update(parts)
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -155,8 +181,8 @@ class Trainer:
         count = cfg.monitor.flops == "yes" or (cfg.monitor.flops == "auto" and peak is not None)
         flops_per_sample = self._count_flops() if count else None  # on the whole module, before sharding
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
-        self.parallel = parallel.build(cfg, session, self.module, self.timer)
-        self.model = self.parallel.model
+        self.strategy = parallel.build(cfg, session, self.module, self.timer)
+        self.model = self.strategy.model
         self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters(), device)
         self.total_steps = self._planned_steps()
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
@@ -196,6 +222,7 @@ class Trainer:
                     "data.name": cfg.data.name,
                     "training samples": len(self.train_data),
                 },
+                extra=self.checkpoint_parts,
                 setup={
                     "distributed.strategy": cfg.distributed.strategy,
                     "training.compile": cfg.training.compile,
@@ -522,7 +549,7 @@ class Trainer:
         path = self.run_dir / "model.safetensors"
         error = None
         self._refuse_a_diverged_state()
-        state = self.parallel.full_state_dict()  # a collective under FSDP
+        state = self.strategy.full_state_dict()  # a collective under FSDP
         if self.session.is_main:
             try:
                 save_final_weights(state, path)
@@ -574,7 +601,7 @@ class Trainer:
             levers.append("training.precision=bf16")
         if cfg.data.on_device and self.session.device.type == "cuda":
             levers.append("data.on_device=false")
-        sharded = cfg.distributed.strategy in ("fsdp", "hsdp")
+        sharded = self.strategy.shards_state if self.strategy is not None else parallel.shards_state(cfg)
         if not sharded and self.session.world_size > 1:
             levers.append("distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)")
         if cfg.training.activation_checkpointing == "none" and _has_blocks(self.module, cfg):
@@ -625,7 +652,7 @@ class Trainer:
         for i, (batch, n) in enumerate(zip(micro_batches, sizes)):
             # Gradients are averaged across processes only on the last micro-batch; the others just
             # add into the local gradients.
-            self.parallel.sync_gradients(i == last)
+            self.strategy.sync_gradients(i == last)
             with self.precision.autocast():
                 loss, _, _ = self.loss_of(model, batch)
             if n != n_step:
@@ -636,7 +663,7 @@ class Trainer:
         self.timer.backward_done()
         first = not self._first_backward_checked
         if first:
-            self.parallel.after_first_backward()
+            self.strategy.after_first_backward()
             self._first_backward_checked = True
             grads = memory.gradient_bytes(self.module)
         if scaler.is_enabled():
@@ -647,7 +674,7 @@ class Trainer:
             if found_inf is not None:  # None: no gradient at all (GradScaler.step says so next)
                 self.metrics.skipped_sum += found_inf
         if self.config.training.max_grad_norm > 0:
-            self.metrics.add_grad_norm(self.parallel.clip_grad_norm(self.config.training.max_grad_norm))
+            self.metrics.add_grad_norm(self.strategy.clip_grad_norm(self.config.training.max_grad_norm))
         self._lr = optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)
         scaler.update()
@@ -676,7 +703,7 @@ class Trainer:
         module = self.module
         batches = (
             self.eval_batches.evened()
-            if self.parallel.forward_is_collective
+            if self.strategy.forward_is_collective
             else ((batch, True) for batch in self.eval_batches)
         )
         was_training = module.training
