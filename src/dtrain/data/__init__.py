@@ -1,7 +1,16 @@
 """Data sets, sharding and batching."""
 
 from dtrain.data.batch import TensorDict, collate, to_device
-from dtrain.data.datasets import DataSplits, build, check, check_shardable, fetch, size_hint
+from dtrain.data.datasets import (
+    DataSplits,
+    build,
+    check,
+    check_shardable,
+    fetch,
+    global_order_of,
+    keeps_global_order,
+    size_hint,
+)
 from dtrain.data.loaders import EvalBatches, TrainBatches
 from dtrain.data.sampler import ShardSampler, eval_shard
 
@@ -17,6 +26,8 @@ __all__ = [
     "collate",
     "eval_shard",
     "fetch",
+    "global_order_of",
+    "keeps_global_order",
     "size_hint",
     "to_device",
 ]

@@ -201,3 +201,21 @@ def check_shardable(config: Config, n_train: int, world_size: int) -> None:
             f"data set '{config.data.name}' has {n_train} training samples, too few for "
             f"{world_size} processes; use --nproc {max(1, n_train)} or fewer"
         )
+
+
+# --- world-size-independent order -------------------------------------------------------------------
+
+
+def keeps_global_order(dataset: Any) -> bool:
+    """Whether a training set asks to be served in an order that does not depend on the world size (it
+    says so with `global_order = True`, as token windows do): the same global batches on any number of
+    processes, so a run can resume on another (GlobalOrderSampler, checkpoint.state.regroup)."""
+    return getattr(dataset, "global_order", False) is True
+
+
+def global_order_of(config: Config) -> bool | None:
+    """`keeps_global_order` before the data is built (the launcher's question): known for the built-in
+    sets, None for a user factory's, which only the built data set can answer."""
+    if ":" in config.data.name:
+        return None
+    return config.data.name == "tokens" and keeps_global_order(tokens.TokenWindows)

@@ -3,7 +3,7 @@
 Under dtrain's launcher a worker writes its failure to torchrun's per-worker error file and prints
 nothing; the launcher prints the first failure once. Started by plain torchrun, srun or mpirun, rank 0
 prints a bad-input line and the other ranks stay quiet; a crash prints its traceback with its rank.
-Used by the worker entry (job.py) and the hang watchdog (watchdog.py).
+Used by the worker entry (worker/) and the hang watchdog (observe/watchdog.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dtrain.distributed import LAUNCHED_BY_DTRAIN
 
 
-def report(message: str, rank: int, traceback_text: str | None) -> None:
+def record_failure(message: str, rank: int, traceback_text: str | None) -> None:
     """One failure: `message` (a line for people), or `traceback_text` for a crash."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and os.environ.get(LAUNCHED_BY_DTRAIN):

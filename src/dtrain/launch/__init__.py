@@ -13,10 +13,14 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dtrain import distributed
 from dtrain.distributed import netaddr
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
 
@@ -228,7 +232,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         run(args)
         return 0
     except ChildFailedError as exc:
-        return _report_failure(exc)
+        return _print_first_failure(exc)
     except SignalException as exc:
         # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
         return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
@@ -251,7 +255,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         return 1
 
 
-def _report_failure(exc) -> int:
+def _print_first_failure(exc: ChildFailedError) -> int:
     """Print the first failure once: a bad-input or hang line as it is, a crash with its rank and
     traceback."""
     rank, failure = exc.get_first_failure()

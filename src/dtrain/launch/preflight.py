@@ -50,8 +50,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     # Token data is served in an order that does not depend on the world size; a factory's may be.
-    global_order = True if config.data.name == "tokens" else (None if ":" in config.data.name else False)
-    resume_from = checkpoint.preflight(config, run_dir, world_size, global_order, fresh=fresh)
+    resume_from = checkpoint.preflight(config, run_dir, world_size, data.global_order_of(config), fresh=fresh)
     if world_size > local_world_size:
         return  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()

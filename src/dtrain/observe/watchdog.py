@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.distributed.failures import report
+from dtrain.distributed.failures import record_failure
 from dtrain.errors import EXIT_HANG
 from dtrain.observe.steptime import Progress
 
@@ -106,7 +106,7 @@ class HangWatch:
         dump_flight_recorder(
             self.diagnostics / f"flight-recorder-rank-{self.rank}", dist.get_backend() if dist.is_initialized() else ""
         )
-        report(self._describe(), self.rank, traceback_text=None)
+        record_failure(self._describe(), self.rank, traceback_text=None)
         time.sleep(min(5.0, self.timeout_s))  # let the other ranks write their stacks too
         os._exit(EXIT_HANG)
 

@@ -17,7 +17,7 @@ import torch
 from dtrain import data, distributed, models
 from dtrain.config import Config
 from dtrain.data import tokens
-from dtrain.distributed.failures import report
+from dtrain.distributed.failures import record_failure
 from dtrain.errors import EXIT_USAGE, DtrainError, Preempted
 from dtrain.train.trainer import Trainer
 
@@ -36,16 +36,15 @@ def run(config: Config) -> dict[str, Any]:
         trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
         if config.data.name == "tokens":
             trainer.setup()  # run.dir taken: keep the tokenizer beside the weights, for `dtrain generate`
-            error = None
-            if session.is_main:
-                try:
-                    tokens.keep_tokenizer(config.data.path, Path(config.run.dir))
-                except (OSError, DtrainError) as exc:
-                    error = f"could not keep the tokenizer in {config.run.dir}/tokenizer ({exc})"
-            error = distributed.first_error(error)
-            if error:
-                raise DtrainError(error)
+            distributed.rank0_decides(lambda: _keep_tokenizer(config), is_main=session.is_main)
         return trainer.fit()
+
+
+def _keep_tokenizer(config: Config) -> None:
+    try:
+        tokens.keep_tokenizer(config.data.path, Path(config.run.dir))
+    except (OSError, DtrainError) as exc:
+        raise DtrainError(f"could not keep the tokenizer in {config.run.dir}/tokenizer ({exc})") from None
 
 
 def worker_main(config: Config) -> int:
@@ -85,14 +84,14 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: the launcher says it once
         return 128 + signal.SIGINT
     except DtrainError as exc:
-        report(str(exc), rank, traceback_text=None)
+        record_failure(str(exc), rank, traceback_text=None)
         if rank != 0 and not os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
             # Only rank 0 prints: under plain torchrun the first rank to exit gets the others stopped,
             # and rank 0, reaching the same error a moment later, would be stopped before saying it.
             time.sleep(2.0)
         return EXIT_USAGE
     except Exception as exc:
-        report(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
+        record_failure(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
         return 1
 
 
