@@ -44,7 +44,7 @@ def test_mnist_missing_and_corrupt_files_are_named(tmp_path):
     ):
         data.build(cfg)
     with pytest.raises(DataError, match="does not hold the MNIST IDX files"):
-        data.prepare(cfg)  # the launcher's check, before any worker starts
+        data.fetch(cfg)  # the launcher's check, before any worker starts
     fake_mnist(tmp_path, n_train=8, n_test=4, gz=False)
     images = tmp_path / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:-100])

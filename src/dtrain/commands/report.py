@@ -35,7 +35,7 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
         text = path.read_text(errors="replace")
     except OSError as exc:
         raise DtrainError(f"{path} cannot be read ({exc.strerror or exc})") from None
-    records = []
+    records: list[dict[str, Any]] = []
     for line in text.splitlines():
         try:
             record = _usable(json.loads(line), records)
@@ -65,6 +65,8 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
         isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in ("step", "epoch")
     ):
         return None
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
     if "loss" in record:
         required, optional = ("loss", "samples_per_s"), ("lr", "grad_norm", "mfu")
     elif "eval_loss" in record:
@@ -237,9 +239,9 @@ def summary(records: list[dict[str, Any]]) -> str:
         )
     if any("mfu" in r for r in steady):
         lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
-    measured = [r for r in train if "param_bytes" in r]
-    if measured:
-        lines.append(describe(measured[-1]))
+    with_memory = [r for r in train if "param_bytes" in r]
+    if with_memory:
+        lines.append(describe(with_memory[-1]))
     seen = Counter((s["rank"], s["host"]) for r in train for s in r.get("stragglers", ()))
     if seen:
         lines.append(

@@ -27,7 +27,7 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:
     try:
-        return type(like)(items)  # dict, OrderedDict, BatchEncoding, UserDict ...
+        return type(like)(items)  # type: ignore[call-arg]  # dict, OrderedDict, BatchEncoding, UserDict ...
     except Exception:
         return items
 
@@ -73,7 +73,7 @@ def collate(samples: Sequence[Any]) -> Any:
         )
     if isinstance(first, Mapping) and any(_is_dataclass_instance(v) for v in first.values()):
         return _rebuild_mapping(first, {k: collate([s[k] for s in samples]) for k in first})
-    return default_collate(samples)
+    return default_collate(list(samples))
 
 
 def num_samples(batch: Any) -> int:

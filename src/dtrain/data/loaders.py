@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -72,7 +72,7 @@ class EvalBatches:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Any,  # any map-style data set with a length
         rank: int,
         world_size: int,
         data: DataConfig,
@@ -119,7 +119,7 @@ def _source_for(dataset: Dataset, data: DataConfig, device: torch.device, collat
     return _LoaderSource(dataset, data, device, collate_fn)
 
 
-def _tensor_backed(dataset: Dataset) -> bool:
+def _tensor_backed(dataset: Any) -> TypeGuard[TensorDataset | TensorDict]:
     return isinstance(dataset, (TensorDataset, TensorDict))
 
 

@@ -24,6 +24,7 @@ import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,7 @@ def _train_bpe(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-_worker_tokenizer = None
+_worker_tokenizer: Any = None  # Bytes, or a tokenizers.Tokenizer
 
 
 def _init_worker(spec: str) -> None:
@@ -183,6 +184,7 @@ def prepare_text(
     if not train:
         raise DtrainError("every document went to the held-out split; lower --val-fraction")
 
+    tok: Any  # Bytes, or a tokenizers.Tokenizer
     if tokenizer == "bytes":
         tok, spec, vocab, eot, tokenizer_file = Bytes(), "bytes", Bytes.vocab_size, Bytes.eot, "bytes"
     else:

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from dtrain.errors import DataError
 
 FORMAT = "dtrain-tokens"
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def read_meta(folder: str | Path) -> dict[str, Any]:

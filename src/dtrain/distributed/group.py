@@ -128,7 +128,7 @@ def start(
     die_with_the_launcher()
     if dist.is_available() and dist.is_initialized():
         env = _env_from_group(detect_env(environ))
-        backend = dist.get_backend()
+        backend = str(dist.get_backend())
         if backend == "gloo":
             _let_gloo_settle_at_exit()
         set_debug_level(debug, backend)
@@ -215,7 +215,8 @@ def _let_gloo_settle(limit_s: float = 10.0) -> None:
     probe = torch.zeros(1)
     dist.all_reduce(probe)  # holds no earlier collective (a barrier would)
     deadline = time.monotonic() + limit_s
-    while probe._use_count() > 1 and time.monotonic() < deadline:
+    use_count = probe._use_count  # type: ignore[attr-defined]  # torch's own count of the tensor's holders
+    while use_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

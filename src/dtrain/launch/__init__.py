@@ -91,7 +91,7 @@ def torchrun_args(
         f"--max-restarts={spec.max_restarts}",
         f"--shutdown-timeout={int(spec.shutdown_grace_s)}",
     ]
-    if not spec.multi_node and not spec.rdzv_endpoint:
+    if not spec.rdzv_endpoint:  # one node (validate() refuses several without an endpoint)
         return args + ["--standalone"] + entry  # a private rendezvous on a free local port
     host, _, port = spec.rdzv_endpoint.rpartition(":")
     if spec.node_rank is not None:
@@ -149,7 +149,7 @@ class _Wait:
 def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool]:
     """This node's address and whether it hosts the rendezvous (multi-node only). An endpoint whose
     name does not resolve yet (a Kubernetes service, a SLURM head node starting) is waited for."""
-    if not spec.rdzv_endpoint:
+    if not spec.rdzv_endpoint or wait is None:
         return spec.local_addr, False
     host = spec.rdzv_endpoint.rpartition(":")[0]
     while True:

@@ -4,6 +4,7 @@ tokenizer of the data it trained on — people would rather read a sample than a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def generate(
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
     meta = kept if kept is not None else tokens.read_meta(config.data.path)
     tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
-    model = models.build(config.model, (config.data.block_size,), meta["vocab_size"])
+    model: Any = models.build(config.model, (config.data.block_size,), meta["vocab_size"])  # has generate()
     if not callable(getattr(model, "generate", None)):
         raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
     try:

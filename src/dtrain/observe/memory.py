@@ -12,7 +12,7 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dtrain report` reads records without it
     import torch
@@ -26,7 +26,7 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes these tensors occupy on this rank (a DTensor's local shard only); shared storage once."""
     from torch.distributed.tensor import DTensor
 
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, Any]] = set()
     total = 0
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

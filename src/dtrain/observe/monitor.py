@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dtrain.observe.memory import FIELDS as memory_fields
 from dtrain.observe.trackers import open_trackers
@@ -46,14 +47,14 @@ class Monitor:
         initial_step: int = 0,
         progress_bar: bool | None = None,
         purge_after: int | None = None,
-        trackers: list[str] = ("tensorboard",),
+        trackers: Sequence[str] = ("tensorboard",),
         config: dict[str, Any] | None = None,
     ):
         self.enabled = enabled
         self._stragglers: tuple = ()
         self._bar = None
         self._writer = None
-        self._metrics = None
+        self._metrics: IO[str] | None = None
         self._trackers: list[Any] = []
         if not enabled:
             return
@@ -82,7 +83,7 @@ class Monitor:
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one metrics record (train or eval) everywhere it belongs."""
-        if not self.enabled:
+        if not self.enabled or self._metrics is None:  # not rank 0, or closed
             return
         if self._writer is not None:
             self._tensorboard(record)
@@ -106,18 +107,20 @@ class Monitor:
                 )
 
     def _tensorboard(self, record: dict[str, Any]) -> None:
-        step = record["step"]
+        writer, step = self._writer, record["step"]
+        if writer is None:
+            return
         for key, tag in TB_TAGS.items():
             if record.get(key) is not None:
-                self._writer.add_scalar(tag, record[key], step)
+                writer.add_scalar(tag, record[key], step)
         for key, value in record.items():  # the user's eval_metrics
             if key.startswith("eval_") and key not in TB_TAGS and key != "eval_samples" and isinstance(value, float):
-                self._writer.add_scalar(f"eval/{key[len('eval_') :]}", value, step)
+                writer.add_scalar(f"eval/{key[len('eval_') :]}", value, step)
         for name in memory_fields:  # once, at the first log step
             for rank, size in enumerate(record.get(name, [])):
-                self._writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
+                writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
         for rank, ms in enumerate(record.get("rank_busy_ms", [])):
-            self._writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
+            writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
 
     def info(self, message: str) -> None:
         if not self.enabled:

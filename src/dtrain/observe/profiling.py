@@ -13,8 +13,10 @@ class StepProfiler:
         self.out = Path(run_dir) / "profile"
         self.rank = rank
         self.cuda = cuda
-        self._profiler = None
-        self._step_range = None  # the open "dtrain step N" range: each step is labelled in the trace
+        self._profiler: torch.profiler.profile | None = None
+        self._step_range: torch.profiler.record_function | None = (
+            None  # the open "dtrain step N" range: each step is labelled in the trace
+        )
 
     def before_step(self, step: int) -> None:
         """Start before the first step of the range, stop (and write) before the one after it."""
