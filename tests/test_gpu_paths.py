@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import dtrain
+import dtrain.train.optim
+import dtrain.train.trainer
 from dtrain import distributed
 from dtrain.checkpoint import tensors as checkpoint_tensors
 from dtrain.config import DistributedConfig
@@ -355,6 +357,7 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
         config=cfg,
         module=GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8),
         session=SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1)),
+        strategy=None,  # out of memory while setting up, before the strategy exists
     )
     message = str(Trainer._out_of_memory(gpus, "at step 3", torch.cuda.OutOfMemoryError("CUDA out of memory")))
     assert message.startswith("out of GPU memory at step 3 on rank 1 with data.batch_size=64 per process")

@@ -28,7 +28,7 @@ BREAKAGES = {
         "a Trainer finds the checkpoint but does not load it",
         [
             (
-                "src/dtrain/trainer.py",
+                "src/dtrain/train/trainer.py",
                 "        if resume_from is not None:\n            position = self.checkpointer",
                 "        if False:\n            position = self.checkpointer",
             )
@@ -39,7 +39,7 @@ BREAKAGES = {
         "each rank sums the shared-memory slots starting from its own (ranks round differently)",
         [
             (
-                "src/dtrain/comm.py",
+                "src/dtrain/parallel/ddp_comm.py",
                 "            torch.add(slots[0], slots[1], out=chunk)\n"
                 "            for r in range(2, self.world_size):\n",
                 "            order = [(self.rank + k) % self.world_size for k in range(self.world_size)]\n"
@@ -53,7 +53,7 @@ BREAKAGES = {
         "training.precision = bf16 runs the forward pass in fp32",
         [
             (
-                "src/dtrain/amp.py",
+                "src/dtrain/train/amp.py",
                 "autocast = functools.partial(torch.autocast, device_type=device.type, dtype=dtype)",
                 "autocast = contextlib.nullcontext",
             )
@@ -91,7 +91,7 @@ BREAKAGES = {
         "gradient accumulation all-reduces on every micro-batch (no no_sync)",
         [
             (
-                "src/dtrain/trainer.py",
+                "src/dtrain/train/trainer.py",
                 "model.require_backward_grad_sync = i == last",
                 "model.require_backward_grad_sync = True",
             )
@@ -102,7 +102,7 @@ BREAKAGES = {
         "fp16 steps GradScaler skipped are never taken out of the LR schedule",
         [
             (
-                "src/dtrain/trainer.py",
+                "src/dtrain/train/trainer.py",
                 '        if record.get("skipped_steps"):\n            self._unschedule',
                 "        if False:\n            self._unschedule",
             )
@@ -113,7 +113,7 @@ BREAKAGES = {
         "the step reads the loss back to the host every step",
         [
             (
-                "src/dtrain/trainer.py",
+                "src/dtrain/train/trainer.py",
                 "            self.metrics.loss_sum += loss.detach()",
                 "            self.metrics.loss_sum += loss.detach().item()",
             )
