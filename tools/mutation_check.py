@@ -33,7 +33,7 @@ BREAKAGES = {
                 "        if False:\n            position = self.checkpointer",
             )
         ],
-        ["tests/test_checkpoint.py::test_stop_and_resume_is_bitwise_equal_in_every_situation"],
+        ["tests/checkpoint/test_checkpoint.py::test_stop_and_resume_is_bitwise_equal_in_every_situation"],
     ),
     "shm_sum_order": (
         "each rank sums the shared-memory slots starting from its own (ranks round differently)",
@@ -47,7 +47,7 @@ BREAKAGES = {
                 "            for r in order[2:]:\n",
             )
         ],
-        ["tests/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"],
+        ["tests/train/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"],
     ),
     "bf16_ignored": (
         "training.precision = bf16 runs the forward pass in fp32",
@@ -58,7 +58,7 @@ BREAKAGES = {
                 "autocast = contextlib.nullcontext",
             )
         ],
-        ["tests/test_training.py::test_bf16_autocast_on_cpu_runs_and_learns"],
+        ["tests/train/test_training.py::test_bf16_autocast_on_cpu_runs_and_learns"],
     ),
     "prune_skipped": (
         "checkpoint.keep is ignored: old checkpoints are never deleted",
@@ -69,7 +69,7 @@ BREAKAGES = {
                 "        for checkpoint in []:\n            shutil.rmtree",
             )
         ],
-        ["tests/test_checkpoint.py::test_checkpoints_are_kept_k_and_sealed"],
+        ["tests/checkpoint/test_checkpoint.py::test_checkpoints_are_kept_k_and_sealed"],
     ),
     "eval_counts_padding": (
         "evaluation pads the ranks' shares as DistributedSampler does, counting duplicates",
@@ -80,12 +80,12 @@ BREAKAGES = {
                 "return torch.arange(rank, n + (-n) % world_size, world_size) % n",
             )
         ],
-        ["tests/test_training.py::test_eval_is_exact_when_the_world_size_does_not_divide_the_data"],
+        ["tests/train/test_training.py::test_eval_is_exact_when_the_world_size_does_not_divide_the_data"],
     ),
     "set_epoch_forgotten": (
         "every epoch reuses epoch 0's order (set_epoch never called)",
         [("src/dtrain/data/loaders.py", "self.sampler.set_epoch(epoch)", "self.sampler.set_epoch(0)")],
-        ["tests/test_training.py::test_parity_with_a_plain_ddp_loop"],
+        ["tests/train/test_training.py::test_parity_with_a_plain_ddp_loop"],
     ),
     "sync_every_micro_batch": (
         "gradient accumulation all-reduces on every micro-batch (no no_sync)",
@@ -96,7 +96,7 @@ BREAKAGES = {
                 "model.require_backward_grad_sync = True",
             )
         ],
-        ["tests/test_training.py::test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch"],
+        ["tests/train/test_training.py::test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch"],
     ),
     "skips_stay_in_schedule": (
         "fp16 steps GradScaler skipped are never taken out of the LR schedule",
