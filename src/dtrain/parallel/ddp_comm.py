@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.observer import CommObserver
 
 SHM_DIR = "/dev/shm"
 # Each rank's slot holds at most this much of a bucket at a time; larger buckets go through in chunks.
@@ -43,7 +44,7 @@ class SharedMemoryAllReduce:
         self.timeout_s = timeout_s
         self.spin = spin
         self.calls = 0  # buckets averaged (skipped micro-batches make none)
-        self.timer = None  # a StepTimer, when the trainer measures where steps go
+        self.observer: CommObserver | None = None  # told of each bucket, when the trainer measures steps
         self._parity = 0
         self._generation = 0
         header = world_size * FLAG_STRIDE
@@ -123,28 +124,28 @@ class SharedMemoryAllReduce:
 
 def shared_memory_hook(state: SharedMemoryAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through shared memory (synchronously) and hand it back."""
-    timer = state.timer
-    if timer is not None:
-        timer.progress.at("gradient all-reduce")
+    observer = state.observer
+    if observer is not None:
+        observer.awaiting_gradients()
     start = time.perf_counter()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(state.average(bucket.buffer()))
-    if timer is not None:
-        timer.comm_blocked(time.perf_counter() - start)
+    if observer is not None:
+        observer.comm_blocked(time.perf_counter() - start)
     return future
 
 
 class TimedAllReduce:
     """State of `timed_allreduce_hook`: DDP's own all-reduce, with each bucket's launch noted."""
 
-    def __init__(self, timer):
-        self.timer = timer
+    def __init__(self, observer: CommObserver):
+        self.observer = observer
 
 
 def timed_allreduce_hook(state: TimedAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's default all-reduce (average over the default group), noting when each bucket is
     launched so the step timer can tell how long backward then waited for communication."""
-    state.timer.comm_launched()
+    state.observer.comm_launched()
     return default_hooks.allreduce_hook(None, bucket)
 
 

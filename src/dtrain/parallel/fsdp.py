@@ -4,15 +4,15 @@ Each transformer block (blocks.py says which modules are blocks) is its own unit
 the forward pass a unit's parameters are gathered just before it runs and freed after it
 (`distributed.reshard_after_forward`), and its gradients are reduce-scattered as backward leaves it.
 
-`hsdp` shards within a group of `distributed.hsdp_shard_size` processes (default: one node) and
-replicates across the groups: a 2-D device mesh (replicate, shard).
+One class over the data-parallel dimensions (dims.py): `fsdp` shards over every process, `hsdp` within
+a group of `distributed.hsdp_shard_size` processes (default: one node) and replicates across the
+groups, a 2-D device mesh (replicate, shard).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -21,6 +21,7 @@ from dtrain.distributed import Session
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.blocks import check_unshared
+from dtrain.parallel.dims import ParallelDims
 
 
 class FSDP(Strategy):
@@ -28,10 +29,10 @@ class FSDP(Strategy):
     shards_state = True
     comm_in_compute = True
 
-    def __init__(self, module: nn.Module, session: Session, config: Config, units: list[nn.Module]):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, units: list[nn.Module]):
+        super().__init__(module, dims)
         dc = config.distributed
-        self.mesh = _mesh(session, dc.strategy, dc.hsdp_shard_size)
+        self.mesh = dims.dp_mesh(session.device.type)
         options = dict(
             mesh=self.mesh,
             reshard_after_forward=dc.reshard_after_forward,
@@ -75,16 +76,6 @@ class FSDP(Strategy):
                 gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
             full[name] = gathered[same]
         return full if main else None
-
-
-def _mesh(session: Session, strategy: str, shard_size: int) -> DeviceMesh:
-    """fsdp: one dimension over every process. hsdp: (replicate, shard), the shard groups being
-    consecutive ranks (one node's, by default); parallel.check_sharding has checked they divide."""
-    world = session.world_size
-    if strategy == "fsdp":
-        return init_device_mesh(session.device.type, (world,))
-    shard = shard_size or session.env.local_world_size
-    return init_device_mesh(session.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def _precision_policy(precision: str) -> MixedPrecisionPolicy:
