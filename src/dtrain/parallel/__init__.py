@@ -39,11 +39,12 @@ def build(config: Config, session: Session, module: nn.Module, observer: CommObs
     problem = check_sharding(config, session.world_size, session.env.local_world_size)
     if problem:
         raise ConfigError(problem)
-    units = blocks.prepare(module, config, session.device, quiet=session.rank != 0)  # checkpointing, compile
+    sharded = shards_state(config)
+    units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
     dims = ParallelDims.from_config(config, session.world_size, session.env.local_world_size)
-    if shards_state(config):
+    if sharded:
         from dtrain.parallel.fsdp import FSDP
 
         return FSDP(module, session, dims, config, units)

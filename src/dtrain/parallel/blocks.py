@@ -28,21 +28,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 
 
-def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool = False) -> list[nn.Module]:
-    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (FSDP's units).
-    `quiet`: a rank other than 0, which need not repeat torch's warnings."""
+def apply_block_options(
+    module: nn.Module, config: Config, device: torch.device, *, sharded: bool, quiet: bool = False
+) -> list[nn.Module]:
+    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (the units of a
+    strategy that shards: `sharded`). `quiet`: a rank other than 0, which need not repeat torch's warnings."""
     tc = config.training
-    needs_blocks = (
-        config.distributed.strategy in ("fsdp", "hsdp")
-        or tc.activation_checkpointing != "none"
-        or tc.compile == "blocks"
-    )
+    needs_blocks = sharded or tc.activation_checkpointing != "none" or tc.compile == "blocks"
     blocks = find_blocks(module, config.distributed.fsdp_units) if needs_blocks else []
     wanted_blocks = tc.activation_checkpointing != "none" or tc.compile == "blocks"
     if wanted_blocks and not blocks:
@@ -158,16 +161,15 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """`forward` whose activations are recomputed in backward (all of them, or the cheap ones). The RNG
     state is replayed, so dropout draws the same masks: the result equals the plain forward's."""
-    context_fn = (
+    context_fn: Callable[[], Any] = (
         functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
         if mode == "selective"
-        else None
+        else noop_context_fn  # checkpoint's own default: keep nothing but the inputs
     )
-    options = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 

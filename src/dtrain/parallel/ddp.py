@@ -35,6 +35,8 @@ _MODEL_MISMATCH = (
 
 
 class DDP(Strategy):
+    model: DistributedDataParallel
+
     def __init__(
         self,
         module: nn.Module,
@@ -70,7 +72,7 @@ class DDP(Strategy):
                 f"them from the model (or set requires_grad=False)"
             )
 
-    def _wrap(self) -> nn.Module:
+    def _wrap(self) -> DistributedDataParallel:
         dc, device = self.config, self.session.device
         try:
             return DistributedDataParallel(

@@ -17,10 +17,12 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
 from dtrain.parallel.observer import CommObserver
@@ -146,7 +148,7 @@ def timed_allreduce_hook(state: TimedAllReduce, bucket: dist.GradBucket) -> torc
     """DDP's default all-reduce (average over the default group), noting when each bucket is
     launched so the step timer can tell how long backward then waited for communication."""
     state.observer.comm_launched()
-    return default_hooks.allreduce_hook(None, bucket)
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
 
 
 def _alive(pid: int) -> bool:
@@ -194,7 +196,7 @@ def check_comm_hook(name: str, backend: str) -> None:
         )
 
 
-def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -> None:
+def register_compression_hook(model: DistributedDataParallel, name: str, backend: str) -> None:
     """Put torch's `name` hook (fp16, bf16, powersgd) in DDP's comm-hook slot."""
     check_comm_hook(name, backend)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -212,7 +214,7 @@ def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -
         raise ValueError(f"unknown comm hook {name!r}")
 
 
-def ddp_exposed_comm(model: torch.nn.Module):
+def ddp_exposed_comm(model: DistributedDataParallel) -> Callable[[], float | None]:
     """A reader of the gradient communication DDP's own reducer measured on its latest sampled step
     (it samples the first ten steps, then one in a hundred), in seconds the backward pass waited
     for it: the all-reduce's duration less its overlap with backward compute. None before any sample.

@@ -11,9 +11,11 @@ groups, a 2-D device mesh (replicate, shard).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config
@@ -33,30 +35,36 @@ class FSDP(Strategy):
         super().__init__(module, dims)
         dc = config.distributed
         self.mesh = dims.dp_mesh(session.device.type)
-        options = dict(
-            mesh=self.mesh,
-            reshard_after_forward=dc.reshard_after_forward,
-            mp_policy=_precision_policy(config.training.precision),
-        )
+        offload = OffloadPolicy()  # fully_shard's default: none
         if dc.fsdp_cpu_offload:
             if session.device.type != "cuda":
                 raise ConfigError(
                     "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
                     "the CPU, and this job trains on the CPU already; set it to false"
                 )
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+            offload = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+        precision = _precision_policy(config.training.precision)
         check_unshared(module, units)
         for i, unit in enumerate(units):
             # The last block's parameters would be gathered again at once, backward starting where the
             # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
             last = i == len(units) - 1
-            fully_shard(unit, **{**options, "reshard_after_forward": dc.reshard_after_forward and not last})
-        fully_shard(module, **options)
+            reshard = dc.reshard_after_forward and not last
+            fully_shard(
+                unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload
+            )
+        fully_shard(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=dc.reshard_after_forward,
+            mp_policy=precision,
+            offload_policy=offload,
+        )
         self.units = len(units)
 
     def sync_gradients(self, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and skips the reduce-scatter (and HSDP's all-reduce).
-        self.module.set_requires_gradient_sync(enabled)
+        cast(FSDPModule, self.module).set_requires_gradient_sync(enabled)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
