@@ -7,10 +7,12 @@ here imports torch: the launcher reads configs before any worker starts.
 """
 
 from dtrain.config.job import (
+    RENAMED,
     SECTIONS,
     Config,
     all_keys,
     load_config,
+    read_config,
     reference_rows,
     validate,
 )
@@ -30,6 +32,7 @@ from dtrain.config.sections import (
 from dtrain.config.settings import setting, tomllib, where
 
 __all__ = [
+    "RENAMED",
     "SECTIONS",
     "CheckpointConfig",
     "Config",
@@ -45,6 +48,7 @@ __all__ = [
     "all_keys",
     "load_config",
     "profile_range",
+    "read_config",
     "reference_rows",
     "setting",
     "tomllib",

@@ -1,11 +1,13 @@
 """The whole job's config: the sections together, read from TOML and `key=value` overrides, checked,
-written back as TOML and listed for the README's reference."""
+written back as TOML and listed for the README's reference. Keys that were renamed still work alone,
+with a note (returned by `read_config`, a FutureWarning from `load_config`) saying their new name."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,9 @@ from dtrain.config.sections import (
 from dtrain.config.settings import coerce, describe, inline, parse_value, tomllib, where
 from dtrain.errors import ConfigError
 
+# Old name -> new name. The old one alone still sets the new one, and a note says so; both is refused.
+RENAMED = {"distributed.fsdp_units": "model.blocks"}
+
 
 @dataclass(slots=True)
 class Config:
@@ -46,7 +51,10 @@ class Config:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> Config:
         """Build and validate a config from nested dicts (as TOML gives them)."""
-        return _from_dict(raw, source)
+        notes: list[str] = []
+        config = _from_dict(raw, source, notes)
+        _warn(notes)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,17 +64,31 @@ class Config:
 
     def with_overrides(self, overrides: Sequence[str]) -> Config:
         """A copy with `section.key=value` overrides applied (values parse as TOML, else as text)."""
-        return _with_overrides(self, overrides)
+        notes: list[str] = []
+        config = _with_overrides(self, overrides, notes)
+        _warn(notes)
+        return config
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Read a TOML job description (or start from defaults) and apply command-line overrides."""
+    """Read a TOML job description (or start from defaults) and apply command-line overrides. A
+    renamed key is taken under its new name, with a FutureWarning."""
+    config, notes = read_config(path, overrides)
+    _warn(notes)
+    return config
+
+
+def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """`load_config`, with the notes it would warn returned instead: a command says them once per job,
+    not once in every process that loads the config."""
+    notes: list[str] = []
     if path is None:
-        return _with_overrides(Config(), overrides)
-    return _with_overrides(_from_dict(_read_toml(Path(path)), str(path)), overrides)
+        return _with_overrides(Config(), overrides, notes), notes
+    config = _from_dict(_read_toml(Path(path)), str(path), notes)
+    return _with_overrides(config, overrides, notes), notes
 
 
 def all_keys() -> list[str]:
@@ -120,9 +142,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
 
 
-def _from_dict(raw: Mapping[str, Any], source: str) -> Config:
+def _from_dict(raw: Mapping[str, Any], source: str, notes: list[str]) -> Config:
     config = Config()
-    for section_name, table in raw.items():
+    for section_name, table in _renamed_in_tables(raw, source, notes).items():
         section = _section(config, section_name, source)
         if not isinstance(table, Mapping):
             raise ConfigError(
@@ -134,13 +156,14 @@ def _from_dict(raw: Mapping[str, Any], source: str) -> Config:
     return config
 
 
-def _with_overrides(config: Config, overrides: Sequence[str]) -> Config:
-    config = _from_dict(config.to_dict(), "config")
+def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) -> Config:
+    config = _from_dict(config.to_dict(), "config", notes)
+    given = {item.partition("=")[0].strip() for item in overrides}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' is not key=value; e.g. training.epochs=3")
-        key = key.strip()
+        key = _renamed_key(key.strip(), given, "on the command line", notes)
         section_name, _, name = key.partition(".")
         section = _section(config, section_name, "on the command line", full_key=key)
         if not name:
@@ -150,6 +173,39 @@ def _with_overrides(config: Config, overrides: Sequence[str]) -> Config:
         _assign(section, key, parse_value(text), "on the command line", raw_text=text)
     validate(config)
     return config
+
+
+# --- renamed keys -------------------------------------------------------------------------------
+
+
+def _renamed_in_tables(raw: Mapping[str, Any], source: str, notes: list[str]) -> Mapping[str, Any]:
+    """`raw` with each old key of RENAMED moved to its new place (a note for each)."""
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        table, target = raw.get(old_section), raw.get(new_section, {})
+        if not (isinstance(table, Mapping) and old_key in table and isinstance(target, Mapping)):
+            continue
+        given = {f"{old_section}.{k}" for k in table} | {f"{new_section}.{k}" for k in target}
+        _renamed_key(old, given, source, notes)
+        moved = {k: v for k, v in table.items() if k != old_key}
+        raw = {**raw, old_section: moved, new_section: {**raw.get(new_section, {}), new_key: table[old_key]}}
+    return raw
+
+
+def _renamed_key(key: str, given: set[str], source: str, notes: list[str]) -> str:
+    """The name `key` now has; an old name is noted, or refused beside its new one."""
+    new = RENAMED.get(key)
+    if new is None:
+        return key
+    if new in given:
+        raise ConfigError(f"{key} and {new} {where(source)} are one setting ({key} is its old name); give only {new}")
+    notes.append(f"{key} is now {new}; the value {where(source)} was used as {new}: write {new} instead")
+    return new
+
+
+def _warn(notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(note, FutureWarning, stacklevel=3)
 
 
 # --- one key --------------------------------------------------------------------------------------

@@ -60,12 +60,6 @@ class DistributedConfig(Section):
         "ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state "
         "sharded over the processes (FSDP2). hsdp: sharded within a node, replicated across nodes.",
     )
-    fsdp_units: list[str] = setting(
-        [],
-        "Module class names of the model's blocks: FSDP's units, and what "
-        "activation checkpointing and compile=blocks work on (default: the model's "
-        "_no_split_modules — its transformer blocks — else its ModuleList entries).",
-    )
     reshard_after_forward: bool = setting(
         True, "FSDP: free each unit's gathered parameters after its forward (less memory; gathered again for backward)."
     )
@@ -147,6 +141,13 @@ class ModelConfig(Section):
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
     options: dict = setting(
         {}, "Keyword arguments passed to a model factory (gpt: n_layer, n_head, n_embd, block_size, dropout, bias)."
+    )
+    blocks: list[str] = setting(
+        [],
+        "Module class names of the model's blocks: FSDP's units, and what "
+        "activation checkpointing and compile=blocks work on (default: the model's "
+        "_no_split_modules — its transformer blocks — else its ModuleList entries). "
+        "Formerly distributed.fsdp_units.",
     )
 
     def check(self) -> None:
