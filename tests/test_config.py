@@ -157,3 +157,14 @@ def test_readme_config_reference_lists_every_key_with_its_default():
 def test_examples_are_valid():
     for path in sorted((ROOT / "examples").glob("*.toml")):
         load_config(path)
+
+
+def test_a_misspelt_attribute_raises_instead_of_adding_itself():
+    """The sections keep slots: a typo in code that sets a key is an error, not a silent new attribute."""
+    config = Config()
+    with pytest.raises(AttributeError, match="grad_acum_steps"):
+        config.training.grad_acum_steps = 2
+    with pytest.raises(AttributeError, match="trainig"):
+        config.trainig = config.training
+    config.training.grad_accum_steps = 2
+    assert config.training.grad_accum_steps == 2

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from dtrain import __version__
-from dtrain.config import load_config
+from dtrain.config import read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
 
 # torch is imported only after the command line and config have been checked, so that a typo is
@@ -106,6 +106,19 @@ def _explicit_launch(args: argparse.Namespace) -> bool:
     return any(getattr(args, name) is not None for name in LAUNCH_FLAGS)
 
 
+def _say_notes(notes: list[str]) -> None:
+    """What loading the config noted (a renamed key), said once per job: by the launcher, or by rank 0
+    where something else started every worker; never by torchrun's workers, which load it again."""
+    if not notes or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    from dtrain.distributed import detect_env, in_worker_environment
+
+    if in_worker_environment() and detect_env().rank != 0:
+        return
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain run", description="Train the job a TOML config describes.")
     parser.add_argument("config", help="TOML job description, e.g. examples/digits_mlp.toml")
@@ -118,7 +131,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
-    config = load_config(args.config, overrides)
+    config, notes = read_config(args.config, overrides)
+    _say_notes(notes)
     from dtrain.distributed import detect_env, in_worker_environment
     from dtrain.launch import launch, wait_for_rank0
     from dtrain.launch.preflight import preflight
@@ -182,7 +196,9 @@ def cmd_config(argv: Sequence[str]) -> int:
     if args.config and "=" in args.config and not os.path.exists(args.config):
         args.overrides.insert(0, args.config)
         args.config = None
-    sys.stdout.write(load_config(args.config, args.overrides).to_toml())
+    config, notes = read_config(args.config, args.overrides)
+    _say_notes(notes)
+    sys.stdout.write(config.to_toml())
     return 0
 
 

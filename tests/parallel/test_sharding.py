@@ -88,15 +88,15 @@ def test_fsdp_resumes_bitwise(fsdp):
     assert_weights_close(weights(out / "parted"), weights(out / "fsdp_plain"), atol=0, rtol=0)
 
 
-def test_fsdp_units_naming_no_module_is_one_line(fsdp):
+def test_blocks_naming_no_module_is_one_line(fsdp):
     _, results, _ = fsdp
     assert results["bad_units"].startswith(
-        "distributed.fsdp_units = ['Nowhere'] names no module of this model; its module classes are Block, "
+        "model.blocks = ['Nowhere'] names no module of this model; its module classes are Block, "
     )
     # The GPT ties lm_head.weight to the token embedding: a Linear unit would shard one of them alone.
-    assert results["tied_units"].startswith("distributed.fsdp_units makes ") and "tied weights" in results["tied_units"]
+    assert results["tied_units"].startswith("model.blocks makes ") and "tied weights" in results["tied_units"]
     assert results["container_units"] == (
-        "distributed.fsdp_units names ModuleList, a container whose forward is "
+        "model.blocks names ModuleList, a container whose forward is "
         "never called; name the block class inside it (Block)"
     )
 

@@ -100,7 +100,7 @@ def main(mode: str, out: Path) -> None:
         ):
             try:
                 cfg = config(out / name, "fsdp")
-                cfg.distributed.fsdp_units = units
+                cfg.model.blocks = units
                 dtrain.Trainer(cfg, model=model(), train_data=tokens(96, 0)).setup()
             except DtrainError as exc:
                 results[name] = str(exc)

@@ -101,7 +101,7 @@ class StepTimer:
             self._add(ready - start, backward - ready, self._comm_seconds(backward, self._last_launch), done - backward)
         self._window.steps += 1
 
-    # --- from the communication hook ----------------------------------------------------------------
+    # --- from the strategy's communication (parallel.observer.CommObserver) --------------------------
 
     def comm_launched(self) -> None:
         """A bucket was handed to an asynchronous all-reduce."""
@@ -114,6 +114,14 @@ class StepTimer:
         self.progress.at("forward/backward")
         if self.enabled:
             self._sync_s += seconds
+
+    def awaiting_gradients(self) -> None:
+        """Backward is over and the gradient all-reduce is what this rank waits for."""
+        self.progress.at("gradient all-reduce")
+
+    def sample_comm_from(self, source: Callable[[], float | None]) -> None:
+        """Take the communication time from `source` (seconds per step) where no hook reports it."""
+        self.comm_source = source
 
     # --- the window between log steps -----------------------------------------------------------
 

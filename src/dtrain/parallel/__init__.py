@@ -7,7 +7,9 @@
 The trainer asks a strategy for the model to call, to skip gradient sync on accumulation
 micro-batches, to clip by the global norm and for the full weights at the end; checkpoints read the
 module's own state dict (DTensor shards under FSDP), which torch.distributed.checkpoint writes as is.
-Before any strategy, blocks.py checkpoints activations and compiles, block by block.
+Before any strategy, blocks.py checkpoints activations and compiles, block by block. A strategy
+is handed the job's dimensions of parallelism (dims.py: data replicated, data sharded) and a narrow
+observer of its communication (observer.py) that the step timer satisfies.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError
-from dtrain.observe.steptime import StepTimer
 from dtrain.parallel import blocks
 from dtrain.parallel.base import Strategy
+from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.observer import CommObserver
 
 SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the state
 
@@ -30,23 +33,24 @@ def shards_state(config: Config) -> bool:
     return config.distributed.strategy in SHARDED
 
 
-def build(config: Config, session: Session, module: nn.Module, timer: StepTimer) -> Strategy:
-    """Spread `module` (already on its device) as `distributed.strategy` says."""
+def build(config: Config, session: Session, module: nn.Module, observer: CommObserver) -> Strategy:
+    """Spread `module` (already on its device) as `distributed.strategy` says; `observer` (the step
+    timer) hears of the gradient communication."""
     problem = check_sharding(config, session.world_size, session.env.local_world_size)
     if problem:
         raise ConfigError(problem)
-    units = blocks.prepare(module, config, session.device, quiet=session.rank != 0)  # checkpointing, compile
+    sharded = shards_state(config)
+    units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
-    if shards_state(config):
+    dims = ParallelDims.from_config(config, session.world_size, session.env.local_world_size)
+    if sharded:
         from dtrain.parallel.fsdp import FSDP
 
-        strategy = FSDP(module, session, config, units)
-        timer.comm_inside_compute = strategy.comm_in_compute
-        return strategy
+        return FSDP(module, session, dims, config, units)
     from dtrain.parallel.ddp import DDP
 
-    return DDP(module, session, config.distributed, timer, breakdown=config.monitor.breakdown)
+    return DDP(module, session, dims, config.distributed, observer, breakdown=config.monitor.breakdown)
 
 
 def check_sharding(config: Config, world_size: int, local_world_size: int) -> str | None:
@@ -65,11 +69,8 @@ def check_sharding(config: Config, world_size: int, local_world_size: int) -> st
             f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
             f"reduces gradients itself: set distributed.comm_hook=none"
         )
-    shard = dc.hsdp_shard_size or local_world_size
-    if name == "hsdp" and world_size % shard:
-        return (
-            f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
-            f"(distributed.hsdp_shard_size, default: the processes of one node) and {world_size} processes "
-            f"do not divide into them; set distributed.hsdp_shard_size to a divisor of {world_size}"
-        )
+    try:  # the processes must fill the strategy's dimensions (hsdp: whole shard groups)
+        ParallelDims.from_config(config, world_size, local_world_size)
+    except ConfigError as exc:
+        return str(exc)
     return None

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtrain.parallel.dims import ParallelDims
+
 
 class Strategy:
     """How the model is spread over the processes. This base is one process holding the whole
     model; `ddp.py` and `fsdp.py` spread it.
 
     `model` is what the training step calls (a wrapper, or the module itself); `module` is the user's
-    own module, whose state dict (plain tensors, or DTensor shards under FSDP) checkpoints read.
+    own module, whose state dict (plain tensors, or DTensor shards under FSDP) checkpoints read;
+    `dims` the dimensions of parallelism it spreads the module over (dims.py).
     """
 
     # What the rest of dtrain may ask of a strategy, so that nothing outside parallel/ names one:
@@ -24,9 +27,10 @@ class Strategy:
     # so the step time has no communication phase of its own to measure.
     comm_in_compute = False
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, dims: ParallelDims | None = None):
         self.module = module
         self.model: nn.Module = module
+        self.dims = dims or ParallelDims()
 
     def sync_gradients(self, enabled: bool) -> None:
         """Whether the next backward averages gradients across processes (off on accumulation

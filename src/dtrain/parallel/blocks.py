@@ -1,7 +1,7 @@
 """The model's blocks, and what is done to each before the strategy spreads it.
 
 A block is the repeated unit of a model (a transformer layer): the classes named by
-`distributed.fsdp_units`, else the model's own `_no_split_modules` (every Hugging Face model and the
+`model.blocks`, else the model's own `_no_split_modules` (every Hugging Face model and the
 built-in GPT name their block class there), else the entries of the model's `nn.ModuleList`s. Each
 block is an FSDP unit (fsdp.py), and, in torchtitan's order, first:
 
@@ -28,28 +28,31 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 
 
-def prepare(module: nn.Module, config: Config, device: torch.device, quiet: bool = False) -> list[nn.Module]:
-    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (FSDP's units).
-    `quiet`: a rank other than 0, which need not repeat torch's warnings."""
+def apply_block_options(
+    module: nn.Module, config: Config, device: torch.device, *, sharded: bool, quiet: bool = False
+) -> list[nn.Module]:
+    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (the units of a
+    strategy that shards: `sharded`). `quiet`: a rank other than 0, which need not repeat torch's warnings."""
     tc = config.training
-    needs_blocks = (
-        config.distributed.strategy in ("fsdp", "hsdp")
-        or tc.activation_checkpointing != "none"
-        or tc.compile == "blocks"
-    )
-    blocks = find_blocks(module, config.distributed.fsdp_units) if needs_blocks else []
+    needs_blocks = sharded or tc.activation_checkpointing != "none" or tc.compile == "blocks"
+    blocks = find_blocks(module, config.model.blocks) if needs_blocks else []
     wanted_blocks = tc.activation_checkpointing != "none" or tc.compile == "blocks"
     if wanted_blocks and not blocks:
         raise ConfigError(
             f"training.activation_checkpointing and training.compile=blocks work block by block, "
             f"and {type(module).__name__} has no blocks dtrain can find (no _no_split_modules, no "
-            f"nn.ModuleList): name its block class in distributed.fsdp_units"
+            f"nn.ModuleList): name its block class in model.blocks"
             + ("" if tc.compile != "blocks" else ", or use training.compile=model")
         )
     if tc.activation_checkpointing != "none":
@@ -109,14 +112,14 @@ def find_blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
         if not blocks and names:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ConfigError(
-                f"distributed.fsdp_units = {names} names no module of this model; its module "
+                f"model.blocks = {names} names no module of this model; its module "
                 f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}"
             )
         containers = sorted({type(b).__name__ for b in blocks if type(b).forward is nn.Module.forward})
         if containers:  # a ModuleList's forward is never called: there is nothing to wrap
             inner = sorted({type(m).__name__ for b in blocks for m in b.children()})
             raise ConfigError(
-                f"distributed.fsdp_units names {', '.join(containers)}, a container whose forward is "
+                f"model.blocks names {', '.join(containers)}, a container whose forward is "
                 f"never called; name the block class inside it ({', '.join(inner[:3]) or 'none'})"
             )
         if blocks:
@@ -144,9 +147,9 @@ def check_unshared(module: nn.Module, blocks: list[nn.Module]) -> None:
             if outside:
                 inside = next(n for n in owners[id(param)] if n.startswith(prefix))
                 raise ConfigError(
-                    f"distributed.fsdp_units makes {names[id(block)]} ({type(block).__name__}) a unit, and "
+                    f"model.blocks makes {names[id(block)]} ({type(block).__name__}) a unit, and "
                     f"its {inside} is shared with {outside[0]} outside it (tied weights); name a "
-                    f"block class that holds both, or leave distributed.fsdp_units empty"
+                    f"block class that holds both, or leave model.blocks empty"
                 )
 
 
@@ -158,16 +161,15 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """`forward` whose activations are recomputed in backward (all of them, or the cheap ones). The RNG
     state is replayed, so dropout draws the same masks: the result equals the plain forward's."""
-    context_fn = (
+    context_fn: Callable[[], Any] = (
         functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
         if mode == "selective"
-        else None
+        else noop_context_fn  # checkpoint's own default: keep nothing but the inputs
     )
-    options = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 

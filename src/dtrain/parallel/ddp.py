@@ -14,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain.config import DistributedConfig
 from dtrain.distributed import Session
 from dtrain.errors import DtrainError
-from dtrain.observe.steptime import StepTimer
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.ddp_comm import (
     SharedMemoryAllReduce,
@@ -24,6 +23,8 @@ from dtrain.parallel.ddp_comm import (
     shared_memory_hook,
     timed_allreduce_hook,
 )
+from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.observer import CommObserver
 
 # How DDP says that ranks disagree about the parameters: their number, a shape, a layout.
 _MODEL_MISMATCH = (
@@ -34,11 +35,21 @@ _MODEL_MISMATCH = (
 
 
 class DDP(Strategy):
+    model: DistributedDataParallel
+
     def __init__(
-        self, module: nn.Module, session: Session, config: DistributedConfig, timer: StepTimer, breakdown: bool
+        self,
+        module: nn.Module,
+        session: Session,
+        dims: ParallelDims,
+        config: DistributedConfig,
+        observer: CommObserver,
+        breakdown: bool,
     ):
-        super().__init__(module)
-        self.session, self.config, self.timer = session, config, timer
+        if dims.dp_shard != 1:  # the factory's promise: DDP replicates, nothing else
+            raise ValueError(f"DDP replicates over every process; got {dims}")
+        super().__init__(module, dims)
+        self.session, self.config, self.observer = session, config, observer
         self.shared_memory: SharedMemoryAllReduce | None = None
         self.model = self._wrap()
         self._attach_comm_hook(breakdown)
@@ -61,7 +72,7 @@ class DDP(Strategy):
                 f"them from the model (or set requires_grad=False)"
             )
 
-    def _wrap(self) -> nn.Module:
+    def _wrap(self) -> DistributedDataParallel:
         dc, device = self.config, self.session.device
         try:
             return DistributedDataParallel(
@@ -91,12 +102,12 @@ class DDP(Strategy):
         else:
             self.shared_memory = self._share_gradients_in_memory()
             if self.shared_memory is not None:
-                self.shared_memory.timer = self.timer
+                self.shared_memory.observer = self.observer
                 return
             if device.type == "cpu" and breakdown:
-                self.model.register_comm_hook(TimedAllReduce(self.timer), timed_allreduce_hook)
+                self.model.register_comm_hook(TimedAllReduce(self.observer), timed_allreduce_hook)
                 return
-        self.timer.comm_source = ddp_exposed_comm(self.model)
+        self.observer.sample_comm_from(ddp_exposed_comm(self.model))
         self._mark_gradient_wait()
 
     def _mark_gradient_wait(self) -> None:
@@ -106,11 +117,11 @@ class DDP(Strategy):
         first = next((p for p in self.module.parameters() if p.requires_grad), None)
         if first is None:
             return
-        model, progress = self.model, self.timer.progress
+        model, awaiting_gradients = self.model, self.observer.awaiting_gradients
 
         def backward_over(_: torch.Tensor) -> None:
             if model.require_backward_grad_sync:  # not on accumulation micro-batches: no all-reduce
-                progress.at("gradient all-reduce")
+                awaiting_gradients()
 
         first.register_post_accumulate_grad_hook(backward_over)
 

@@ -17,12 +17,15 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.observer import CommObserver
 
 SHM_DIR = "/dev/shm"
 # Each rank's slot holds at most this much of a bucket at a time; larger buckets go through in chunks.
@@ -43,7 +46,7 @@ class SharedMemoryAllReduce:
         self.timeout_s = timeout_s
         self.spin = spin
         self.calls = 0  # buckets averaged (skipped micro-batches make none)
-        self.timer = None  # a StepTimer, when the trainer measures where steps go
+        self.observer: CommObserver | None = None  # told of each bucket, when the trainer measures steps
         self._parity = 0
         self._generation = 0
         header = world_size * FLAG_STRIDE
@@ -123,29 +126,29 @@ class SharedMemoryAllReduce:
 
 def shared_memory_hook(state: SharedMemoryAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through shared memory (synchronously) and hand it back."""
-    timer = state.timer
-    if timer is not None:
-        timer.progress.at("gradient all-reduce")
+    observer = state.observer
+    if observer is not None:
+        observer.awaiting_gradients()
     start = time.perf_counter()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(state.average(bucket.buffer()))
-    if timer is not None:
-        timer.comm_blocked(time.perf_counter() - start)
+    if observer is not None:
+        observer.comm_blocked(time.perf_counter() - start)
     return future
 
 
 class TimedAllReduce:
     """State of `timed_allreduce_hook`: DDP's own all-reduce, with each bucket's launch noted."""
 
-    def __init__(self, timer):
-        self.timer = timer
+    def __init__(self, observer: CommObserver):
+        self.observer = observer
 
 
 def timed_allreduce_hook(state: TimedAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's default all-reduce (average over the default group), noting when each bucket is
     launched so the step timer can tell how long backward then waited for communication."""
-    state.timer.comm_launched()
-    return default_hooks.allreduce_hook(None, bucket)
+    state.observer.comm_launched()
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
 
 
 def _alive(pid: int) -> bool:
@@ -193,7 +196,7 @@ def check_comm_hook(name: str, backend: str) -> None:
         )
 
 
-def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -> None:
+def register_compression_hook(model: DistributedDataParallel, name: str, backend: str) -> None:
     """Put torch's `name` hook (fp16, bf16, powersgd) in DDP's comm-hook slot."""
     check_comm_hook(name, backend)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -211,7 +214,7 @@ def register_compression_hook(model: torch.nn.Module, name: str, backend: str) -
         raise ValueError(f"unknown comm hook {name!r}")
 
 
-def ddp_exposed_comm(model: torch.nn.Module):
+def ddp_exposed_comm(model: DistributedDataParallel) -> Callable[[], float | None]:
     """A reader of the gradient communication DDP's own reducer measured on its latest sampled step
     (it samples the first ten steps, then one in a hundred), in seconds the backward pass waited
     for it: the all-reduce's duration less its overlap with backward compute. None before any sample.

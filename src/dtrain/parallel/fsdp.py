@@ -4,16 +4,18 @@ Each transformer block (blocks.py says which modules are blocks) is its own unit
 the forward pass a unit's parameters are gathered just before it runs and freed after it
 (`distributed.reshard_after_forward`), and its gradients are reduce-scattered as backward leaves it.
 
-`hsdp` shards within a group of `distributed.hsdp_shard_size` processes (default: one node) and
-replicates across the groups: a 2-D device mesh (replicate, shard).
+One class over the data-parallel dimensions (dims.py): `fsdp` shards over every process, `hsdp` within
+a group of `distributed.hsdp_shard_size` processes (default: one node) and replicates across the
+groups, a 2-D device mesh (replicate, shard).
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config
@@ -21,6 +23,7 @@ from dtrain.distributed import Session
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.blocks import check_unshared
+from dtrain.parallel.dims import ParallelDims
 
 
 class FSDP(Strategy):
@@ -28,34 +31,40 @@ class FSDP(Strategy):
     shards_state = True
     comm_in_compute = True
 
-    def __init__(self, module: nn.Module, session: Session, config: Config, units: list[nn.Module]):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, units: list[nn.Module]):
+        super().__init__(module, dims)
         dc = config.distributed
-        self.mesh = _mesh(session, dc.strategy, dc.hsdp_shard_size)
-        options = dict(
-            mesh=self.mesh,
-            reshard_after_forward=dc.reshard_after_forward,
-            mp_policy=_precision_policy(config.training.precision),
-        )
+        self.mesh = dims.dp_mesh(session.device.type)
+        offload = OffloadPolicy()  # fully_shard's default: none
         if dc.fsdp_cpu_offload:
             if session.device.type != "cuda":
                 raise ConfigError(
                     "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
                     "the CPU, and this job trains on the CPU already; set it to false"
                 )
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+            offload = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
+        precision = _precision_policy(config.training.precision)
         check_unshared(module, units)
         for i, unit in enumerate(units):
             # The last block's parameters would be gathered again at once, backward starting where the
             # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
             last = i == len(units) - 1
-            fully_shard(unit, **{**options, "reshard_after_forward": dc.reshard_after_forward and not last})
-        fully_shard(module, **options)
+            reshard = dc.reshard_after_forward and not last
+            fully_shard(
+                unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload
+            )
+        fully_shard(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=dc.reshard_after_forward,
+            mp_policy=precision,
+            offload_policy=offload,
+        )
         self.units = len(units)
 
     def sync_gradients(self, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and skips the reduce-scatter (and HSDP's all-reduce).
-        self.module.set_requires_gradient_sync(enabled)
+        cast(FSDPModule, self.module).set_requires_gradient_sync(enabled)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
@@ -75,16 +84,6 @@ class FSDP(Strategy):
                 gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
             full[name] = gathered[same]
         return full if main else None
-
-
-def _mesh(session: Session, strategy: str, shard_size: int) -> DeviceMesh:
-    """fsdp: one dimension over every process. hsdp: (replicate, shard), the shard groups being
-    consecutive ranks (one node's, by default); parallel.check_sharding has checked they divide."""
-    world = session.world_size
-    if strategy == "fsdp":
-        return init_device_mesh(session.device.type, (world,))
-    shard = shard_size or session.env.local_world_size
-    return init_device_mesh(session.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def _precision_policy(precision: str) -> MixedPrecisionPolicy:

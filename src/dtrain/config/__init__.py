@@ -1,0 +1,57 @@
+"""A job described in TOML: typed sections, `key=value` overrides, validation with one-line answers.
+
+Every setting is declared once, in sections.py, with its type, default, bounds and a sentence of help;
+loading, overriding, validating, writing `config.toml` and the README's reference table all come from
+that one declaration (settings.py: the declaration and coercion; job.py: the whole config). Nothing
+here imports torch: the launcher reads configs before any worker starts.
+"""
+
+from dtrain.config.job import (
+    RENAMED,
+    SECTIONS,
+    Config,
+    all_keys,
+    load_config,
+    read_config,
+    reference_rows,
+    validate,
+)
+from dtrain.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    ProfileConfig,
+    RunConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    profile_range,
+)
+from dtrain.config.settings import setting, tomllib, where
+
+__all__ = [
+    "RENAMED",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "DistributedConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "OptimizerConfig",
+    "ProfileConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "TrainingConfig",
+    "all_keys",
+    "load_config",
+    "profile_range",
+    "read_config",
+    "reference_rows",
+    "setting",
+    "tomllib",
+    "validate",
+    "where",
+]

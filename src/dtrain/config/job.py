@@ -1,0 +1,243 @@
+"""The whole job's config: the sections together, read from TOML and `key=value` overrides, checked,
+written back as TOML and listed for the README's reference. Keys that were renamed still work alone,
+with a note (returned by `read_config`, a FutureWarning from `load_config`) saying their new name."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from dtrain.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    ProfileConfig,
+    RunConfig,
+    SchedulerConfig,
+    Section,
+    TrainingConfig,
+)
+from dtrain.config.settings import coerce, describe, inline, parse_value, tomllib, where
+from dtrain.errors import ConfigError
+
+# Old name -> new name. The old one alone still sets the new one, and a note says so; both is refused.
+RENAMED = {"distributed.fsdp_units": "model.blocks"}
+
+
+@dataclass(slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> Config:
+        """Build and validate a config from nested dicts (as TOML gives them)."""
+        notes: list[str] = []
+        config = _from_dict(raw, source, notes)
+        _warn(notes)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def with_overrides(self, overrides: Sequence[str]) -> Config:
+        """A copy with `section.key=value` overrides applied (values parse as TOML, else as text)."""
+        notes: list[str] = []
+        config = _with_overrides(self, overrides, notes)
+        _warn(notes)
+        return config
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML job description (or start from defaults) and apply command-line overrides. A
+    renamed key is taken under its new name, with a FutureWarning."""
+    config, notes = read_config(path, overrides)
+    _warn(notes)
+    return config
+
+
+def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """`load_config`, with the notes it would warn returned instead: a command says them once per job,
+    not once in every process that loads the config."""
+    notes: list[str] = []
+    if path is None:
+        return _with_overrides(Config(), overrides, notes), notes
+    config = _from_dict(_read_toml(Path(path)), str(path), notes)
+    return _with_overrides(config, overrides, notes), notes
+
+
+def all_keys() -> list[str]:
+    """Every `section.key` a config accepts."""
+    config = Config()
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(config, s))]
+
+
+def reference_rows() -> list[tuple[str, str, str]]:
+    """(key, default, help) for every setting: the README's config reference comes from here."""
+    config = Config()
+    rows = []
+    for s in SECTIONS:
+        section = getattr(config, s)
+        for f in dataclasses.fields(section):
+            rows.append((f"{s}.{f.name}", inline(getattr(section, f.name)), f.metadata["help"]))
+    return rows
+
+
+def validate(config: Config) -> None:
+    """Each section's own checks, then those across sections."""
+    for name in SECTIONS:
+        getattr(config, name).check()
+    if config.run.overwrite and config.checkpoint.resume == "yes":
+        raise ConfigError(
+            "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
+            "from a checkpoint: choose one"
+        )
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if path.exists() and not path.is_dir() and not path.is_file():  # a device, a FIFO: endless or blocking
+        raise ConfigError(f"config file {path} is not a regular file; pass a TOML file")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} does not exist; pass a TOML file such as examples/digits_mlp.toml"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
+
+
+def _from_dict(raw: Mapping[str, Any], source: str, notes: list[str]) -> Config:
+    config = Config()
+    for section_name, table in _renamed_in_tables(raw, source, notes).items():
+        section = _section(config, section_name, source)
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"'{section_name}' {where(source)} must be a table of keys ([{section_name}]), got {describe(table)}"
+            )
+        for key, value in table.items():
+            _assign(section, f"{section_name}.{key}", value, source)
+    validate(config)
+    return config
+
+
+def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) -> Config:
+    config = _from_dict(config.to_dict(), "config", notes)
+    given = {item.partition("=")[0].strip() for item in overrides}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not key=value; e.g. training.epochs=3")
+        key = _renamed_key(key.strip(), given, "on the command line", notes)
+        section_name, _, name = key.partition(".")
+        section = _section(config, section_name, "on the command line", full_key=key)
+        if not name:
+            raise ConfigError(
+                f"override '{item}' names a section, not a key; e.g. {section_name}.{_field_names(section)[0]}=..."
+            )
+        _assign(section, key, parse_value(text), "on the command line", raw_text=text)
+    validate(config)
+    return config
+
+
+# --- renamed keys -------------------------------------------------------------------------------
+
+
+def _renamed_in_tables(raw: Mapping[str, Any], source: str, notes: list[str]) -> Mapping[str, Any]:
+    """`raw` with each old key of RENAMED moved to its new place (a note for each)."""
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        table, target = raw.get(old_section), raw.get(new_section, {})
+        if not (isinstance(table, Mapping) and old_key in table and isinstance(target, Mapping)):
+            continue
+        given = {f"{old_section}.{k}" for k in table} | {f"{new_section}.{k}" for k in target}
+        _renamed_key(old, given, source, notes)
+        moved = {k: v for k, v in table.items() if k != old_key}
+        raw = {**raw, old_section: moved, new_section: {**raw.get(new_section, {}), new_key: table[old_key]}}
+    return raw
+
+
+def _renamed_key(key: str, given: set[str], source: str, notes: list[str]) -> str:
+    """The name `key` now has; an old name is noted, or refused beside its new one."""
+    new = RENAMED.get(key)
+    if new is None:
+        return key
+    if new in given:
+        raise ConfigError(f"{key} and {new} {where(source)} are one setting ({key} is its old name); give only {new}")
+    notes.append(f"{key} is now {new}; the value {where(source)} was used as {new}: write {new} instead")
+    return new
+
+
+def _warn(notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(note, FutureWarning, stacklevel=3)
+
+
+# --- one key --------------------------------------------------------------------------------------
+
+
+def _section(config: Config, name: str, source: str, full_key: str | None = None) -> Section:
+    if name in SECTIONS:
+        return getattr(config, name)
+    wanted = full_key or name
+    candidates = all_keys() if "." in wanted else SECTIONS
+    close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; sections are {', '.join(SECTIONS)}"
+    raise ConfigError(f"unknown {'key' if '.' in wanted else 'section'} '{wanted}' {where(source)}{hint}")
+
+
+def _field_names(section: Section) -> list[str]:
+    return [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
+
+
+def _assign(section: Section, key: str, value: Any, source: str, raw_text: str | None = None) -> None:
+    section_name, _, name = key.partition(".")
+    name, _, subkey = name.partition(".")
+    fields_by_name = {f.name: f for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    if name not in fields_by_name:
+        close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; [{section_name}] has {', '.join(fields_by_name)}"
+        raise ConfigError(f"unknown key '{key}' {where(source)}{hint}")
+    f = fields_by_name[name]
+    type_ = typing.get_type_hints(type(section))[name]
+    if subkey:  # a key inside a free table, e.g. model.options.depth=3
+        if type_ is not dict:
+            raise ConfigError(f"'{key}' {where(source)}: {section_name}.{name} is not a table")
+        getattr(section, name)[subkey] = value
+        return
+    setattr(section, name, coerce(f"{section_name}.{name}", value, type_, f.metadata, raw_text))

@@ -1,0 +1,396 @@
+"""The config's sections, one dataclass each: every key declared once with `setting()` (settings.py),
+and each section's check of its own keys (a value's format, keys that go together)."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from dtrain.config.settings import A_YEAR, setting
+from dtrain.errors import ConfigError
+
+
+class Section:
+    """What every section offers besides its keys."""
+
+    __slots__ = ()  # the sections keep slots: a misspelt attribute raises instead of adding itself
+
+    def check(self) -> None:
+        """This section's own rules beyond each key's type and bounds (validate() runs it)."""
+
+
+@dataclass(slots=True)
+class RunConfig(Section):
+    dir: str = setting(
+        "runs/dtrain", "Where the run writes config.toml, metrics.jsonl, TensorBoard events and model.safetensors."
+    )
+    seed: int = setting(
+        0, "Seeds model init, the data order (as DistributedSampler(seed=...)) and synthetic data.", min=0
+    )
+    overwrite: bool = setting(
+        False,
+        "Start afresh even when run.dir holds an earlier run: its outputs "
+        "(checkpoints included) are deleted first. Off: such a run.dir is resumed "
+        "from its newest checkpoint, or refused when it has none.",
+    )
+    allow_other_files: bool = setting(
+        False,
+        "Write into a run.dir that holds files dtrain did not write "
+        "(they are left alone). Off: such a run.dir is refused.",
+    )
+
+    def check(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError(
+                "run.dir is empty (an unset shell variable?); give the folder the run writes to, "
+                "e.g. run.dir=runs/first"
+            )
+        # A path the shell did not expand (run.dir=~/runs/x is one argument, not an assignment): expand it,
+        # rather than make a folder called "~" in the current one.
+        self.dir = os.path.expanduser(self.dir)
+
+
+@dataclass(slots=True)
+class DistributedConfig(Section):
+    strategy: Literal["ddp", "fsdp", "hsdp"] = setting(
+        "ddp",
+        "ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state "
+        "sharded over the processes (FSDP2). hsdp: sharded within a node, replicated across nodes.",
+    )
+    reshard_after_forward: bool = setting(
+        True, "FSDP: free each unit's gathered parameters after its forward (less memory; gathered again for backward)."
+    )
+    fsdp_cpu_offload: bool = setting(
+        False, "FSDP on GPUs: keep parameters, gradients and optimizer state on the CPU between uses."
+    )
+    hsdp_shard_size: int = setting(
+        0, "hsdp: processes per shard group (0: the processes of one node).", min=0, max=2**20
+    )
+    backend: Literal["auto", "nccl", "gloo"] = setting(
+        "auto", "auto picks nccl when CUDA GPUs are visible, gloo otherwise."
+    )
+    init_method: str = setting(
+        "env://", "env:// (torchrun, SLURM, Open MPI set it up), tcp://host:port or file:///shared/path."
+    )
+    timeout_s: float = setting(
+        1800.0,
+        "Seconds a collective may wait before the backend gives up (at least 5: "
+        "setting up the group alone takes a moment).",
+        min=5,
+        max=A_YEAR,
+    )
+    hang_timeout_s: float = setting(
+        300.0,
+        "Seconds without any rank finishing a step before every rank "
+        "writes its Python stacks to run.dir/diagnostics and the job ends "
+        "naming the ranks behind (0: off). Keep it below timeout_s.",
+        min=0,
+        max=A_YEAR,
+    )
+    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", above=0, max=2**20)
+    gradient_as_bucket_view: bool = setting(True, "Let gradients alias DDP's buckets (saves a copy and memory).")
+    static_graph: bool = setting(False, "Tell DDP the graph is the same every step (enables optimisations).")
+    find_unused_parameters: bool = setting(
+        False, "Let DDP handle parameters the forward pass does not use (costs a graph walk per step)."
+    )
+    shared_memory_allreduce: bool = setting(
+        True,
+        "On CPU, average the gradients of processes on one "
+        "machine through shared memory instead of gloo's loopback "
+        "TCP (same numbers, less time).",
+    )
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting(
+        "none",
+        "Compress gradients before DDP's all-reduce with torch's own comm hook: fp16, bf16 "
+        "(nccl only) — half the bytes — or powersgd (low-rank; its error-feedback state is not "
+        "checkpointed). none: DDP's plain all-reduce (on CPU, the shared-memory average).",
+    )
+
+    def check(self) -> None:
+        scheme = self.init_method.split("://", 1)[0]
+        if "://" not in self.init_method or scheme not in ("env", "tcp", "file"):
+            raise ConfigError(
+                f"distributed.init_method = '{self.init_method}' is not "
+                f"supported; use env://, tcp://host:port or file:///path"
+            )
+        problem = _init_method_problem(self.init_method)
+        if problem:
+            raise ConfigError(f"distributed.init_method = '{self.init_method}' {problem}")
+        hang, timeout = self.hang_timeout_s, self.timeout_s
+        if 0 < hang < 1:
+            raise ConfigError(
+                f"distributed.hang_timeout_s = {hang:g} would call every step a hang; use 0 (off) or at least 1 second"
+            )
+        if hang and hang >= timeout:
+            raise ConfigError(
+                f"distributed.hang_timeout_s = {hang:g} must be below distributed.timeout_s = "
+                f"{timeout:g}, or the backend gives up first and the hang goes unexplained"
+            )
+
+
+@dataclass(slots=True)
+class ModelConfig(Section):
+    name: str = setting(
+        "mlp",
+        "mlp (the guide's Linear-ReLU-Linear), cnn, gpt (a decoder-only transformer for "
+        "data.name=tokens), or a factory 'package.module:function'.",
+    )
+    hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
+    options: dict = setting(
+        {}, "Keyword arguments passed to a model factory (gpt: n_layer, n_head, n_embd, block_size, dropout, bias)."
+    )
+    blocks: list[str] = setting(
+        [],
+        "Module class names of the model's blocks: FSDP's units, and what "
+        "activation checkpointing and compile=blocks work on (default: the model's "
+        "_no_split_modules — its transformer blocks — else its ModuleList entries). "
+        "Formerly distributed.fsdp_units.",
+    )
+
+    def check(self) -> None:
+        _check_builtin_or_factory("model.name", self.name, ("mlp", "cnn", "gpt"))
+
+
+@dataclass(slots=True)
+class DataConfig(Section):
+    name: str = setting(
+        "digits",
+        "digits (ships with scikit-learn), mnist (IDX files), synthetic, tokens "
+        "(shards made by `dtrain prepare`), or a factory 'package.module:function'.",
+    )
+    path: str = setting(
+        "data/mnist",
+        "Folder holding the four MNIST IDX files (plain or .gz), or the token shards and meta.json (data.name=tokens).",
+    )
+    block_size: int = setting(
+        256,
+        "Tokens per training window (data.name=tokens): each sample is block_size inputs and their next tokens.",
+        min=1,
+        max=2**20,
+    )
+    download: bool = setting(False, "Download MNIST into data.path when the files are missing.")
+    batch_size: int = setting(64, "Samples per micro-batch, per process.", min=1, max=2**24)
+    eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1, max=2**24)
+    eval_fraction: float = setting(0.2, "Share held out for evaluation (digits, synthetic).", above=0, max=0.9)
+    drop_last: bool = setting(False, "Drop each epoch's last, partial batch.")
+    num_samples: int = setting(60000, "Size of the synthetic data set.", min=1, max=2**31)
+    input_shape: list[int] = setting([1, 28, 28], "Sample shape of the synthetic data set.")
+    num_classes: int = setting(
+        10, "Classes of the synthetic data set (and of factory data sets that cannot say).", min=2
+    )
+    on_device: bool = setting(True, "Hold tensor data sets on the GPU and gather batches there.")
+    num_workers: int = setting(0, "DataLoader worker processes (map-style data sets only).", min=0, max=1024)
+    pin_memory: bool = setting(True, "Pin host batches for faster copies to the GPU (DataLoader, CUDA only).")
+    persistent_workers: bool = setting(True, "Keep DataLoader workers alive between epochs.")
+    prefetch_factor: int = setting(2, "Batches each DataLoader worker loads ahead.", min=1, max=2**16)
+
+    def check(self) -> None:
+        self.path = os.path.expanduser(self.path)  # as run.dir
+        _check_builtin_or_factory("data.name", self.name, ("digits", "mnist", "synthetic", "tokens"))
+        if not self.input_shape or any(d < 1 for d in self.input_shape):
+            raise ConfigError(
+                f"data.input_shape = {self.input_shape} must be a list of positive sizes, e.g. [1, 28, 28]"
+            )
+        if self.name == "synthetic" and math.prod(self.input_shape) * self.num_samples > 2**34:
+            raise ConfigError(
+                f"data.input_shape = {self.input_shape} × data.num_samples = "
+                f"{self.num_samples} is over 2^34 values (64 GiB of float32) for the synthetic "
+                f"data set; use fewer samples or smaller inputs"
+            )
+
+
+@dataclass(slots=True)
+class OptimizerConfig(Section):
+    name: Literal["sgd", "adamw"] = setting("sgd", "sgd (with momentum) or adamw.")
+    lr: float = setting(0.01, "Peak learning rate.", above=0)
+    momentum: float = setting(0.9, "SGD momentum.", min=0, max=1)
+    nesterov: bool = setting(False, "Nesterov momentum for SGD.")
+    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0)
+    betas: list[float] = setting([0.9, 0.999], "AdamW betas.")
+    eps: float = setting(1e-8, "AdamW epsilon.", above=0)
+
+    def check(self) -> None:
+        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+            raise ConfigError(
+                "optimizer.nesterov = true needs momentum: set optimizer.momentum above 0 (0.9 is usual), "
+                "or optimizer.nesterov=false"
+            )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optimizer.betas = {self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+@dataclass(slots=True)
+class SchedulerConfig(Section):
+    name: Literal["constant", "cosine", "linear"] = setting(
+        "constant", "Learning-rate shape after warm-up: constant, cosine or linear decay."
+    )
+    warmup_steps: int = setting(0, "Optimizer steps of linear warm-up from 0 to optimizer.lr.", min=0)
+    min_lr_ratio: float = setting(0.0, "Where cosine and linear decay end, as a share of optimizer.lr.", min=0, max=1)
+
+
+@dataclass(slots=True)
+class TrainingConfig(Section):
+    epochs: int = setting(10, "Passes over the training set.", min=1)
+    max_steps: int = setting(0, "Stop after this many optimizer steps (0: no limit).", min=0)
+    grad_accum_steps: int = setting(
+        1, "Micro-batches per optimizer step; all but the last skip the gradient all-reduce.", min=1
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32", "fp32, bf16 autocast (CPU or CUDA) or fp16 autocast with GradScaler (CUDA)."
+    )
+    tf32: bool = setting(
+        True,
+        "On GPUs with TF32 tensor cores (Ampere and newer), run fp32 matmuls "
+        "in TF32 (torch.set_float32_matmul_precision('high')); false: full FP32.",
+    )
+    max_grad_norm: float = setting(0.0, "Clip gradients to this global norm and log the norm (0: no clipping).", min=0)
+    log_every: int = setting(
+        10, "Optimizer steps between logged lines; losses are read from the device only then.", min=1
+    )
+    eval_every: int = setting(1, "Epochs between evaluations (the last epoch always evaluates; 0: only then).", min=0)
+    activation_checkpointing: Literal["none", "full", "selective"] = setting(
+        "none",
+        "Recompute activations in backward instead of keeping them, block by block: full keeps only "
+        "each block's input; selective also keeps matmul and attention outputs (less memory than none, less "
+        "recomputation than full).",
+    )
+    compile: Literal["none", "blocks", "model"] = setting(
+        "none",
+        "torch.compile: blocks compiles each block (fast to compile; true means this), model the "
+        "whole forward. The first step, which compiles, is reported on its own line and left out of "
+        "throughput.",
+        booleans=("none", "blocks"),
+    )
+    stop_at_step: int = setting(
+        0,
+        "End this run after this optimizer step with a checkpoint, keeping "
+        "the schedule of the whole run; a later resume continues (0: off).",
+        min=0,
+    )
+
+
+@dataclass(slots=True)
+class MonitorConfig(Section):
+    breakdown: bool = setting(
+        True,
+        "Split every step into data wait, forward+backward, gradient "
+        "communication and optimizer (no host sync: CUDA events on GPUs) and "
+        "compare ranks at each log step.",
+    )
+    straggler_margin: float = setting(
+        0.25, "Name a rank whose busy time per step exceeds the median by this share.", above=0
+    )
+    peak_tflops: float = setting(0.0, "Peak TFLOP/s of one device for MFU (0: known GPUs only).", min=0)
+    flops: Literal["auto", "yes", "no"] = setting(
+        "auto",
+        "Count model FLOPs per sample once with torch's FLOP counter (about 2 s at start-up): "
+        "auto does it where MFU can be reported (a known GPU, or monitor.peak_tflops set).",
+    )
+    trackers: list[str] = setting(
+        ["tensorboard"],
+        "Where metrics go besides metrics.jsonl: tensorboard, mlflow "
+        "(run.dir/mlruns unless MLFLOW_TRACKING_URI), wandb (run.dir/wandb; honours "
+        "WANDB_MODE=offline). Rank 0 only; [] for none.",
+    )
+    debug: bool = setting(
+        False,
+        "torch's distributed debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL on nccl "
+        "(every collective's shapes checked across ranks; slower; for finding "
+        "desyncs), INFO on gloo (DETAIL crashes DDP on gloo in torch 2.13).",
+    )
+
+    def check(self) -> None:
+        unknown = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]
+        if unknown or len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(
+                f"monitor.trackers = {self.trackers}: each of tensorboard, mlflow, wandb at most once"
+                + (f"; '{unknown[0]}' is none of them" if unknown else "")
+            )
+
+
+@dataclass(slots=True)
+class ProfileConfig(Section):
+    steps: str = setting(
+        "",
+        'Optimizer steps to trace with torch.profiler, e.g. "20-25"; one trace '
+        "per rank under run.dir/profile (Perfetto, TensorBoard). Empty: off.",
+    )
+
+    def check(self) -> None:
+        if self.steps and profile_range(self.steps) is None:
+            raise ConfigError(
+                f"profile.steps = '{self.steps}' is not a step range; write it like "
+                f'"20-25" (first and last optimizer step, from 1)'
+            )
+
+
+@dataclass(slots=True)
+class CheckpointConfig(Section):
+    every_steps: int = setting(
+        0,
+        "Write a checkpoint every this many optimizer steps and at the end "
+        "(0: only on SIGTERM or training.stop_at_step, and at the end of a run "
+        "that resumed from one, so that a rerun finds it complete).",
+        min=0,
+    )
+    keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).", min=1)
+    resume: Literal["auto", "yes", "no"] = setting(
+        "auto",
+        "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
+        "must (what --resume sets); no: start fresh, refusing a run.dir that holds checkpoints.",
+    )
+    preempt_grace_s: float = setting(
+        120.0,
+        "Seconds workers get after SIGTERM to finish the step and write their checkpoint before torchrun kills them.",
+        above=0,
+        max=A_YEAR,
+    )
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """'20-25' -> (20, 25); '7' -> (7, 7); None when malformed."""
+    first, _, last = text.strip().partition("-")
+    last = last or first
+    if not (first.strip().isdigit() and last.strip().isdigit()):
+        return None
+    a, b = int(first), int(last)
+    return (a, b) if 1 <= a <= b < 2**63 else None
+
+
+def _check_builtin_or_factory(key: str, value: str, builtins: tuple[str, ...]) -> None:
+    if value not in builtins and not _is_factory_ref(value):
+        close = difflib.get_close_matches(value, builtins, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(
+            f"{key} = '{value}' is neither a built-in ({', '.join(builtins)}) nor "
+            f"a factory 'package.module:function'; {hint}".rstrip("; ")
+        )
+
+
+def _is_factory_ref(value: str) -> bool:
+    module, sep, func = value.partition(":")
+    return bool(sep and module and func and all(p.isidentifier() for p in module.split(".")) and func.isidentifier())
+
+
+def _init_method_problem(url: str) -> str | None:
+    """What torch could not use in a tcp:// or file:// init method (it would fail in every worker, or
+    wait for a file that can never be made), or None."""
+    scheme, rest = url.split("://", 1)
+    if scheme == "tcp":
+        host, _, port = rest.split("/", 1)[0].rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            return "needs a port: tcp://host:port (1-65535)"
+        if not host.strip("[]"):
+            return "needs a host: tcp://host:port (rank 0's address)"
+    if scheme == "file":
+        path = rest.split("?", 1)[0]
+        if not path.startswith("/") or path == "/":
+            return "needs an absolute file path on a shared file system: file:///shared/path/rendezvous"
+        if not os.path.isdir(os.path.dirname(path)):
+            return (
+                f"names a file in {os.path.dirname(path)}, which is not a folder here; use a folder every node shares"
+            )
+    return None
