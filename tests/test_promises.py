@@ -2,6 +2,7 @@
 inside the step, MFU against monitor.peak_tflops, the progress bar on a terminal, DataLoader workers,
 eval_every, Ctrl-C, `dtrain config` and doctor's warnings — each with real files, processes or a pty."""
 
+import json
 import os
 import pickle
 import re
@@ -294,6 +295,7 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path)
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint import save as dcp_save
 
+    from dtrain.checkpoint.manifest import MARKER
     from dtrain.checkpoint.store import CheckpointStore
 
     adamw = {"optimizer": {"name": "adamw", "lr": 0.01}}
@@ -320,6 +322,11 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path)
             old[f"optimizer/{fqn}/{name}"] = tensor
     shutil.rmtree(folder / "state")
     dcp_save(old, storage_writer=FileSystemWriter(folder / "state"), no_dist=True)
+    # Nor did it number its format (1), nor name its parts: only the checkpoint's own number says its layout.
+    _edit_trainer_json(folder, lambda t: [t.pop("format"), t.pop("parts")])
+    marker = json.loads((folder / MARKER).read_text())
+    del marker["format"]
+    (folder / MARKER).write_text(json.dumps(marker))
     reseal(folder)
     assert CheckpointStore(run_dir).newest().step == 7  # sealed as dtrain 0.2 would have left it
 

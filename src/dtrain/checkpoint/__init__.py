@@ -1,19 +1,28 @@
 """Checkpoints: scheduled and on preemption, atomic, verified, resumed exactly.
 
 `Checkpointer` is what the trainer talks to; `store` knows the folders, `state` what goes in them,
-`manifest` what seals one; `export` the final weights.
+`parts` how each named part (model, optimizer, …, and every registered one) is saved and put back,
+`tensors` the writing and reading of them all, `formats` the layouts by number, `pending` the seam
+between writing a checkpoint and sealing it, `manifest` what seals one; `export` the final weights.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
+from dtrain.checkpoint.pending import PendingCheckpoint, completed
 from dtrain.checkpoint.state import Parts, Position, regroup
 from dtrain.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
 from dtrain.config import CheckpointConfig, Config
-from dtrain.distributed import first_error, from_rank0, later_attempt
+from dtrain.distributed import every_rank_raises, later_attempt, rank0_decides
+from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 
 __all__ = [
@@ -22,6 +31,7 @@ __all__ = [
     "CheckpointStore",
     "Checkpointer",
     "Parts",
+    "PendingCheckpoint",
     "Position",
     "resume_geometry",
     "truncate_metrics",
@@ -52,19 +62,15 @@ class Checkpointer:
 
     def find_resume_point(self) -> Checkpoint | None:
         """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""
-        answer: tuple[int | None, str | None] = (None, None)
-        if self.is_main:
-            try:
-                self.store.remove_partials()
-                checkpoint = self._choose()
-                if checkpoint is not None:
-                    self.store.check_intact(checkpoint)
-                answer = (checkpoint.step if checkpoint else None, None)
-            except CheckpointError as exc:
-                answer = (None, str(exc))
-        step, error = from_rank0(answer)
-        if error:
-            raise CheckpointError(error)
+
+        def choose() -> int | None:
+            self.store.remove_partials()
+            checkpoint = self._choose()
+            if checkpoint is not None:
+                self.store.check_intact(checkpoint)
+            return checkpoint.step if checkpoint else None
+
+        step = _as_checkpoint_error(lambda: rank0_decides(choose, is_main=self.is_main))
         return None if step is None else Checkpoint(step, self.store.root / f"step-{step}")
 
     def _choose(self) -> Checkpoint | None:
@@ -75,49 +81,97 @@ class Checkpointer:
         from dtrain.checkpoint.tensors import load
 
         position = load(checkpoint.path, self.parts)
+        if self.is_main:
+            for note in position.notes:
+                print(note, file=sys.stderr, flush=True)
         self.last_saved_step = position.step
         return position
 
     def save(self, position: Position) -> Checkpoint:
-        """Write checkpoint `position.step` (collective). A failure on any rank leaves the previous
-        checkpoints untouched, removes the partial one and raises on every rank."""
-        from torch.distributed.checkpoint.api import CheckpointException
+        """Write checkpoint `position.step` and seal it (collective): `start_save(position).wait()`."""
+        return self.start_save(position).wait()
 
-        from dtrain.checkpoint.tensors import save
+    def start_save(self, position: Position) -> PendingCheckpoint:
+        """Begin writing checkpoint `position.step` (collective); its `wait()` seals it. A failure on any
+        rank leaves the previous checkpoints untouched, removes the partial one and raises on every rank:
+        here, or in `wait()`. A part that cannot be saved (a value neither tensor nor JSON) is refused
+        before anything is written."""
+        from dtrain.checkpoint.tensors import stage, write
 
         step = position.step
-        error = None
-        if self.is_main:
+        refusal = failure = None
+        try:
+            staged = stage(self.parts, position)
+        except CheckpointError as exc:
+            refusal = f"checkpoint step-{step} cannot be written: {exc}"
+        except Exception as exc:
+            failure = f"rank {self.parts.rank}: {describe_failure(exc)}"
+        _as_checkpoint_error(lambda: every_rank_raises(refusal))
+
+        def begin() -> None:
             try:
                 self.store.begin(step)
             except OSError as exc:
-                error = describe_failure(exc)
-        error = first_error(error)  # also: the folder exists for everyone
-        meta = None
-        if error is None:
+                raise DtrainError(describe_failure(exc)) from None
+
+        try:
+            every_rank_raises(failure)
+            rank0_decides(begin, is_main=self.is_main)  # also: the folder exists for everyone
+        except DtrainError as exc:
+            raise self._failed(step, str(exc)) from None
+        folder = self.store.partial_path(step)
+        return PendingCheckpoint(step, completed(lambda: write(folder, staged, self.parts)), partial(self._seal, step))
+
+    def _seal(self, step: int, written: Future[dict[str, Any]]) -> Checkpoint:
+        """Seal checkpoint `step` once every rank's write has completed (collective; rank 0 alone touches
+        the folders): its manifest, the rename into place, the pruning of the oldest."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error = None
+        meta: dict[str, Any] = {}
+        try:
+            meta = written.result()
+        except (Exception, CheckpointException) as exc:
+            error = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
+
+        def commit() -> None:
             try:
-                meta = save(self.store.partial_path(step), self.parts, position)
-            except (Exception, CheckpointException) as exc:
-                error = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
-            error = first_error(error)
-        checkpoint = Checkpoint(step, self.store.root / f"step-{step}")
-        if error is None and self.is_main:
-            try:
-                checkpoint = self.store.commit(step, meta)
+                self.store.commit(step, meta)
                 self.store.prune(self.config.keep)
             except OSError as exc:
-                error = describe_failure(exc)
-        if error is not None:
-            if self.is_main:
-                self.store.abandon(step)
-            newest = self.store.newest()
-            kept = f"; {newest.name} is intact" if newest else ""
-            raise CheckpointError(
-                f"could not write checkpoint step-{step} in {self.store.root}: {error}"
-                f"{kept}; free space or choose another run.dir"
-            )
+                raise DtrainError(describe_failure(exc)) from None
+
+        try:
+            every_rank_raises(error)
+            rank0_decides(commit, is_main=self.is_main)
+        except DtrainError as exc:
+            raise self._failed(step, str(exc)) from None
         self.last_saved_step = step
-        return checkpoint
+        return Checkpoint(step, self.store.root / f"step-{step}")
+
+    def _failed(self, step: int, error: str) -> CheckpointError:
+        """The partial checkpoint `step` removed, and the one line every rank raises."""
+        if self.is_main:
+            self.store.abandon(step)
+        newest = self.store.newest()
+        kept = f"; {newest.name} is intact" if newest else ""
+        return CheckpointError(
+            f"could not write checkpoint step-{step} in {self.store.root}: {error}{kept}; free space or choose "
+            f"another run.dir"
+        )
+
+
+T = TypeVar("T")
+
+
+def _as_checkpoint_error(collective: Callable[[], T]) -> T:
+    """`collective()`, whose agreed refusal (a DtrainError on every rank) is raised as a CheckpointError."""
+    try:
+        return collective()
+    except CheckpointError:
+        raise
+    except DtrainError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
@@ -171,7 +225,7 @@ def preflight(
     if saved is None:
         return None
     name, saved_world, saved_per_rank = saved
-    if saved_per_rank:  # markers before 0.3 did not say; the workers check the checkpoint itself
+    if saved_per_rank:  # format 1's markers may not say (from 3 on they must); the workers check the checkpoint
         regroup(
             name,
             saved_world,

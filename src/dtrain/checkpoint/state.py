@@ -27,6 +27,24 @@ class Position:
     unscheduled_skips: int = 0
     # How the checkpoint's run was spread and compiled (Parts.setup), for the resume to say what changed.
     setup: dict[str, Any] = field(default_factory=dict)
+    # What the resume has to say about the checkpoint's parts (one it lacks, one nobody registered).
+    notes: list[str] = field(default_factory=list)
+
+
+# The parts every checkpoint holds (checkpoint/parts.py), and the trainer.json keys of its header: no
+# registered part may take either name.
+BUILT_IN_PARTS = ("model", "optimizer", "scheduler", "scaler", "rng")
+HEADER = (
+    "format",
+    "step",
+    "epoch",
+    "world_size",
+    "samples_per_step",
+    "identity",
+    "unscheduled_skips",
+    "setup",
+    "parts",
+)
 
 
 @dataclass
@@ -47,6 +65,14 @@ class Parts:
     setup: dict[str, Any] = field(default_factory=dict)
     # Stateful objects registered by name (Trainer.register_for_checkpointing): saved and restored too.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        taken = sorted(set(self.extra) & {*BUILT_IN_PARTS, *HEADER})
+        if taken:
+            raise CheckpointError(
+                f"register_for_checkpointing({taken[0]}=...): every checkpoint holds a '{taken[0]}' of its own; "
+                f"register it under another name"
+            )
 
 
 def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:

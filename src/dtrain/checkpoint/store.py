@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint import formats
 from dtrain.checkpoint.manifest import MARKER, manifest, verify
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text, fsync_dir
@@ -118,6 +119,8 @@ class CheckpointStore:
                 f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
                 f"{checkpoint.path} to resume from an earlier checkpoint"
             ) from None
+        if isinstance(meta, dict) and formats.newer(meta.get("format")):
+            raise CheckpointError(formats.newer_refusal(checkpoint.name, meta["format"]))
         problem = marker_problem(meta, checkpoint.step)
         if problem:
             raise CheckpointError(
@@ -143,6 +146,11 @@ def marker_problem(meta: Any, step: int) -> str | None:
         return "not a JSON object"
     if meta.get("step") != step or isinstance(meta.get("step"), bool):
         return f"it says step {meta.get('step')!r}"
+    stated = "format" in meta  # formats 1 and 2 carry no number
+    if stated and formats.stated_problem(meta["format"]):
+        return formats.stated_problem(meta["format"])
+    if stated and "samples_per_step" not in meta:
+        return "no samples_per_step"
     world = meta.get("world_size", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         return f"world_size {world!r}"

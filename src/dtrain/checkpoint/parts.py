@@ -1,0 +1,428 @@
+"""The named parts of a checkpoint, each captured and put back by one small adapter.
+
+A part's tensors go through DCP under its name ("<part>.<key>", resharded as the model's are); its other
+values go into trainer.json under its name, as JSON (no pickle in a checkpoint). The model, optimizer,
+schedule, GradScaler and RNG are parts like any registered one (Trainer.register_for_checkpointing: an
+EMA of the weights, a stateful data set, a communication hook's error feedback), so adding one is a
+registration, not an edit of the save, the load and the schema check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dtrain.checkpoint.formats import FLAT_NAMES
+from dtrain.checkpoint.rng import device_of, load_rng, save_rng
+from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts
+from dtrain.checkpoint.store import CheckpointError
+
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+_UNFIT = (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError)
+
+
+@dataclass
+class Saved:
+    """A checkpoint as the parts reading themselves back see it."""
+
+    folder: Path
+    trainer: dict[str, Any]  # trainer.json
+    tensors: dict[str, Any]  # DCP's metadata: tensor name → what is stored under it
+    format: int
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    @property
+    def flat(self) -> bool:
+        return self.format == FLAT_NAMES
+
+
+class Part:
+    """One named part: what it saves, how its trainer.json entry is judged, what it reads back."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def capture(self) -> tuple[dict[str, Any], Any]:
+        """(its tensors, nested as DCP keys them under its name; its JSON for trainer.json, or None)."""
+        return {}, None
+
+    def write_files(self, folder: Path) -> None:
+        """Files of its own beside DCP's and trainer.json (every rank calls it)."""
+
+    def problem(self, entry: Any) -> str | None:
+        """What is wrong with its trainer.json entry (None: nothing)."""
+        return None
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        """The tensors to read its state into (DCP loads them in place), refusing what would not fit."""
+        return {}
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        """Put the checkpoint's state back, from its JSON and the `tensors` DCP has filled."""
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        """Why its state could not be put back (`exc`), in one line."""
+        return (
+            f"checkpoint {saved.name} does not fit this run's optimizer or schedule "
+            f"({type(exc).__name__}: {exc}); delete {saved.folder} to resume from an earlier checkpoint, "
+            f"or start a new run.dir"
+        )
+
+
+def adapters(parts: Parts) -> dict[str, Part]:
+    """Every part of `parts`, in the order they are put back (RNG last: nothing may draw after it)."""
+    found: dict[str, Part] = {
+        "model": ModelPart(parts.module),
+        "optimizer": OptimizerPart(parts.module, parts.optimizer),
+        "scheduler": SchedulePart("scheduler", parts.scheduler),
+        "scaler": ScalerPart("scaler", parts.scaler),
+    }
+    found.update({name: StatefulPart(name, obj) for name, obj in parts.extra.items()})
+    found["rng"] = RngPart(parts.rank, device_of(parts.module))
+    assert set(BUILT_IN_PARTS) <= set(found)
+    return found
+
+
+# --- model and optimizer ----------------------------------------------------------------------------
+
+
+class ModelPart(Part):
+    """The model's tensors, as DCP's own view of them ("model.<fqn>"): replicas written once, FSDP's shards
+    by their owners, read back as this run places and shards them."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__("model")
+        self.module = module
+
+    def capture(self) -> tuple[dict[str, Any], Any]:
+        return get_model_state_dict(self.module), None
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        state = get_model_state_dict(self.module)
+        _check_model(saved, state)
+        return state
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        # Not strict: the model's keys and shapes were checked in targets.
+        set_model_state_dict(self.module, tensors, options=StateDictOptions(strict=False))
+
+
+def _check_model(saved: Saved, model_state: dict[str, Any]) -> None:
+    prefix = "model/" if saved.flat else "model."
+    saved_model = {k[len(prefix) :]: item for k, item in saved.tensors.items() if k.startswith(prefix)}
+    for key, tensor in model_state.items():
+        item = saved_model.get(key)
+        if item is None:
+            raise CheckpointError(
+                f"checkpoint {saved.name} has no '{key}' for this run's model; resume "
+                f"with the model the checkpoint was trained with, or start a new run.dir"
+            )
+        if not isinstance(item, TensorStorageMetadata) or list(item.size) != list(tensor.shape):
+            shape = list(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
+            raise CheckpointError(
+                f"checkpoint {saved.name} holds '{key}' of shape {shape} and this run's "
+                f"model has {list(tensor.shape)}; resume with the model settings the "
+                f"checkpoint was trained with, or start a new run.dir"
+            )
+    extra = sorted(set(saved_model) - set(model_state))
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {saved.name} holds '{extra[0]}', which this run's model lacks; "
+            f"resume with the same model, or start a new run.dir"
+        )
+
+
+PerParameter = dict[str, dict[str, Any]]  # an optimizer's state: {parameter fqn: {name: value}}
+
+
+def split_tensors(state: PerParameter) -> tuple[PerParameter, PerParameter]:
+    """An optimizer's per-parameter state split into its tensors (for DCP) and the rest (for trainer.json,
+    as JSON: no pickle in a checkpoint)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for fqn, values in state.items():
+        for name, value in values.items():
+            side = tensors if isinstance(value, torch.Tensor) else rest
+            side.setdefault(fqn, {})[name] = value
+    return tensors, rest
+
+
+class OptimizerPart(Part):
+    """The optimizer's per-parameter tensors through DCP ("optimizer.state.<fqn>.<name>"), its groups and
+    other values in trainer.json."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__("optimizer")
+        self.module, self.optimizer = module, optimizer
+        self.saved_any = True
+
+    def capture(self) -> tuple[dict[str, Any], Any]:
+        untouched = not self.optimizer.state  # no update applied yet (fp16 may skip the first steps)
+        state: dict[str, Any] = dict(get_optimizer_state_dict(self.module, self.optimizer))
+        if untouched:
+            # DCP fills an empty optimizer by taking a step at lr 0 (AdamW's step count becomes 1, and
+            # bias correction would differ from a run that never saved): undo that, save it empty.
+            self.optimizer.state.clear()
+            state["state"] = {}
+        tensors, leftovers = split_tensors(state["state"])
+        return {"state": tensors}, {"param_groups": state["param_groups"], "state": leftovers}
+
+    def problem(self, entry: Any) -> str | None:
+        return _optimizer_problem(entry)
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        def key(fqn: str, name: str) -> str:
+            return f"optimizer/{fqn}/{name}" if saved.flat else f"optimizer.state.{fqn}.{name}"
+
+        # Only what the checkpoint holds: DCP's zero-lr step gives every parameter optimizer state, and one
+        # that never had a gradient (unused, frozen in the user's step) has none in the checkpoint.
+        held_state: dict[str, dict[str, torch.Tensor]] = {}
+        live: dict[str, Any] = dict(get_optimizer_state_dict(self.module, self.optimizer))
+        for fqn, values in split_tensors(live["state"])[0].items():
+            held = {name: tensor for name, tensor in values.items() if key(fqn, name) in saved.tensors}
+            if held and len(held) < len(values):  # all of a parameter's state, or (never updated) none
+                missing = sorted(set(values) - set(held))[0]
+                raise CheckpointError(
+                    f"checkpoint {saved.name} holds part of the optimizer state of '{fqn}' (no "
+                    f"'{missing}'): damaged, or written for another optimizer; delete {saved.folder} to "
+                    f"resume from an earlier checkpoint, or start a new run.dir"
+                )
+            if held:
+                held_state[fqn] = held
+        prefix = "optimizer/" if saved.flat else "optimizer.state."
+        self.saved_any = any(name.startswith(prefix) for name in saved.tensors)  # none: saved before any update
+        return {"state": held_state}
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        groups = saved.trainer["optimizer"]["param_groups"]
+        for saved_group, live in zip(groups, self.optimizer.param_groups):
+            # How the optimizer computes is this run's choice (fused on CUDA, not on the CPU), not the
+            # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
+            saved_group.update({key: live[key] for key in _IMPLEMENTATION if key in live})
+        entries = {fqn: dict(values) for fqn, values in saved.trainer["optimizer"]["state"].items()}
+        for fqn, values in tensors["state"].items():
+            entries.setdefault(fqn, {}).update(values)
+        # Not strict: a parameter that never had a gradient has no optimizer state to set.
+        state: Any = {"state": entries, "param_groups": groups}
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(strict=False))
+        if not self.saved_any:
+            self.optimizer.state.clear()  # saved before any update: undo DCP's zero-lr step here too
+
+
+def _optimizer_problem(optimizer: Any) -> str | None:
+    if not (
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("state"), dict)
+        and all(isinstance(entry, dict) for entry in optimizer["state"].values())
+        and isinstance(optimizer.get("param_groups"), list)
+        and all(isinstance(g, dict) for g in optimizer["param_groups"])
+    ):
+        return "its optimizer entry is malformed"
+    for group in optimizer["param_groups"]:
+        for key, value in group.items():
+            if key != "params" and not (
+                value is None
+                or isinstance(value, bool)
+                or _rate(value)
+                or (isinstance(value, list) and value and all(_rate(v) for v in value))
+            ):
+                return (
+                    f"optimizer setting {key} is {value!r}, not a finite number >= 0, true/false or a list of numbers"
+                )
+    return None
+
+
+def _rate(value: Any) -> bool:
+    """A finite number >= 0, as every optimizer and schedule setting dtrain saves is."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+# --- any object with state_dict() / load_state_dict() -------------------------------------------------
+
+
+class StatefulPart(Part):
+    """An object with state_dict() / load_state_dict() (torch's Stateful): its tensors through DCP, under
+    "<name>.<key>…" as nested in its state dict, the rest as JSON. Its state_dict() before the resume
+    names the tensors to read back, as the model's does."""
+
+    def __init__(self, name: str, obj: Any):
+        super().__init__(name)
+        self.obj = obj
+
+    def capture(self) -> tuple[dict[str, Any], Any]:
+        state = self.obj.state_dict()
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"part '{self.name}' (register_for_checkpointing) gave a state_dict() of "
+                f"{type(state).__name__}, not a dict; return a dict of tensors and JSON values"
+            )
+        tensors, rest = _split(self.name, (), state)
+        return tensors or {}, rest
+
+    def problem(self, entry: Any) -> str | None:
+        return None if isinstance(entry, dict) else f"its {self.name} entry is not an object"
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        tensors = _split(self.name, (), self.obj.state_dict(), judge=False)[0] or {}
+        for path in _paths(tensors):
+            if ".".join((self.name, *path)) not in saved.tensors:
+                raise CheckpointError(
+                    f"checkpoint {saved.name} holds no '{'.'.join(path)}' of part '{self.name}', which this "
+                    f"run's {self.name} has; resume with the {self.name} the checkpoint was written with, or "
+                    f"start a new run.dir"
+                )
+        return tensors
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        self.obj.load_state_dict(_merge(saved.trainer.get(self.name, {}), tensors))
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        return (
+            f"checkpoint {saved.name}'s part '{self.name}' does not fit this run's {self.name} "
+            f"({type(exc).__name__}: {exc}); resume with the {self.name} the checkpoint was written with, or "
+            f"start a new run.dir"
+        )
+
+
+class SchedulePart(StatefulPart):
+    """The learning-rate schedule (JSON only), its numbers judged before it is loaded."""
+
+    def problem(self, entry: Any) -> str | None:
+        if not isinstance(entry, dict):
+            return "its scheduler entry is not an object"
+        for key in ("last_epoch", "_step_count"):
+            value = entry.get(key, 0)
+            if not (isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**53):
+                return f"scheduler {key} is {value!r}, not a whole number"
+        for key in ("base_lrs", "_last_lr"):
+            if not (isinstance(entry.get(key, []), list) and all(_rate(v) for v in entry.get(key, []))):
+                return f"scheduler {key} is {entry.get(key)!r}, not a list of finite numbers >= 0"
+        return None
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        return Part.unfit(self, saved, exc)
+
+
+class ScalerPart(StatefulPart):
+    """GradScaler's scale and growth tracker; a disabled scaler's state is empty, and there is nothing to load."""
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        if saved.trainer.get(self.name):
+            super().restore(saved, tensors)
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        return Part.unfit(self, saved, exc)
+
+
+_ABSENT = object()  # no JSON value at this key (all of it tensors)
+
+
+def _split(part: str, path: tuple[str, ...], value: Any, judge: bool = True) -> tuple[Any, Any]:
+    """(the tensors in `value`, nested as there, or None; the rest, or _ABSENT). `judge`: a value that is
+    neither a tensor nor JSON is refused, naming the part and key."""
+    where = f"part '{part}'" + (f" key '{'.'.join(path)}'" if path else "")
+    if isinstance(value, torch.Tensor):
+        return value, _ABSENT
+    if isinstance(value, dict) and _holds_tensor(value):
+        tensors, rest = {}, {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{where} has key {key!r} over tensors: checkpoints name tensors by strings")
+            inner, leftover = _split(part, (*path, key), item, judge)
+            if inner is not None:
+                tensors[key] = inner
+            if leftover is not _ABSENT:
+                rest[key] = leftover
+        return tensors, rest
+    if judge and _holds_tensor(value):
+        raise CheckpointError(
+            f"{where} is {type(value).__name__} holding tensors; keep a part's tensors in dicts, by name, "
+            f"to checkpoint them"
+        )
+    if judge:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{where} is neither a tensor nor JSON ({exc}); make its state_dict() hold tensors, "
+                f"numbers, strings, lists and dicts only"
+            ) from None
+    return None, value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _paths(tensors: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for key, value in tensors.items():
+        if isinstance(value, dict):
+            found.extend(_paths(value, (*prefix, key)))
+        else:
+            found.append((*prefix, key))
+    return found
+
+
+def _merge(rest: Any, tensors: dict[str, Any]) -> Any:
+    merged = dict(rest) if isinstance(rest, dict) else {}
+    for key, value in tensors.items():
+        merged[key] = _merge(merged.get(key), value) if isinstance(value, dict) else value
+    return merged
+
+
+# --- RNG ----------------------------------------------------------------------------------------------
+
+
+class RngPart(Part):
+    """Each rank's RNG states, in a file of its own (rng-rank<R>.safetensors). On another number of
+    processes rank r continues rank (r mod N)'s random streams (dropout): the run goes on from the same
+    data position, but not bitwise as at the same world size."""
+
+    def __init__(self, rank: int, device: torch.device):
+        super().__init__("rng")
+        self.rank, self.device = rank, device
+
+    def write_files(self, folder: Path) -> None:
+        save_rng(folder / f"rng-rank{self.rank}.safetensors", self.device)
+
+    def _path(self, saved: Saved) -> Path:
+        return saved.folder / f"rng-rank{self.rank % saved.trainer['world_size']}.safetensors"
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        if not self._path(saved).is_file():
+            raise CheckpointError(
+                f"{self._path(saved)} is missing; delete {saved.folder} to resume from an earlier checkpoint"
+            )
+        return {}
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        load_rng(self._path(saved), self.device, saved.format)
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        return (
+            f"{self._path(saved)} cannot be read ({type(exc).__name__}: {exc}); delete {saved.folder} to "
+            f"resume from an earlier checkpoint"
+        )
