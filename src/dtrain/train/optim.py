@@ -28,7 +28,12 @@ def build_optimizer(
             **options,
         )
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay, **options
+        params,
+        lr=config.lr,
+        betas=(config.betas[0], config.betas[1]),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        **options,
     )
 
 
