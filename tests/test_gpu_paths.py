@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import dtrain
 import dtrain.train.optim
-import dtrain.train.trainer
+import dtrain.train.trainer  # the module whose precision_for the fp16 fixture replaces
 from dtrain import distributed
 from dtrain.checkpoint import tensors as checkpoint_tensors
 from dtrain.config import DistributedConfig
@@ -344,7 +344,7 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
     from types import SimpleNamespace
 
     from dtrain.models.gpt import GPT
-    from dtrain.train.trainer import Trainer
+    from dtrain.train import advice
 
     cfg = dtrain.Config.from_dict(
         {
@@ -353,13 +353,10 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
             "distributed": {"strategy": strategy, "fsdp_cpu_offload": offload},
         }
     )
-    gpus = SimpleNamespace(
-        config=cfg,
-        module=GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8),
-        session=SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1)),
-        strategy=None,  # out of memory while setting up, before the strategy exists
-    )
-    message = str(Trainer._out_of_memory(gpus, "at step 3", torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    module = GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    gpus = SimpleNamespace(world_size=2, rank=1, device=torch.device("cuda", 1))
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    message = str(advice.out_of_memory("at step 3", oom, cfg, module, gpus, cfg.training.grad_accum_steps))
     assert message.startswith("out of GPU memory at step 3 on rank 1 with data.batch_size=64 per process")
     offered = message.split("; try ", 1)[1].split(" or ")
     assert offered == [

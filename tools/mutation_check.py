@@ -47,7 +47,9 @@ BREAKAGES = {
                 "            for r in order[2:]:\n",
             )
         ],
-        ["tests/train/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"],
+        [
+            "tests/train/test_training.py::test_the_shared_memory_average_gives_every_rank_the_same_numbers_at_three_ranks"
+        ],
     ),
     "bf16_ignored": (
         "training.precision = bf16 runs the forward pass in fp32",

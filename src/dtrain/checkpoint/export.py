@@ -1,14 +1,26 @@
-"""The end of a run: the trained weights as `model.safetensors`, loadable without pickle."""
+"""The end of a run: the trained weights as `model.safetensors`, loadable without pickle — or, where
+they cannot be written, kept in a checkpoint or rescued to another disk, and the run says where."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
+from dtrain import distributed
+from dtrain.checkpoint.store import CheckpointError
+from dtrain.errors import DtrainError
 from dtrain.files import atomic_write
 from dtrain.rundir import WEIGHTS_MARK
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
 
 
 def save_final_weights(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -21,10 +33,75 @@ def save_final_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     kept: dict[tuple[int, int], str] = {}
     for name in sorted(state):
         tensor = state[name]
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (0, id(tensor))
+        where = (
+            (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())) if tensor.numel() else (0, id(tensor))
+        )
         if where in kept and state[kept[where]].shape == tensor.shape:
             metadata.setdefault(name, kept[where])
             continue
         kept[where] = name
         unique[name] = tensor.contiguous()
     atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
+
+
+def write_final_weights(
+    state: dict[str, torch.Tensor] | None,
+    path: Path,
+    is_main: bool,
+    checkpointer: Checkpointer,
+    step: int,
+    save_checkpoint: Callable[[], None],
+) -> None:
+    """model.safetensors: the end of the run, its most valuable moment. Rank 0 writes `state` (the whole
+    model, which only it holds). If the weights cannot be written (a full disk, a directory in the way),
+    the trained state is kept in a checkpoint (`save_checkpoint()` writes one unless the last step has
+    one) and the run says where, exit 2 — never a finished run with nothing to show."""
+    error = distributed.rank0_decides(lambda: _write_error(state, path), is_main=is_main)
+    if error is None:
+        return
+    if checkpointer.last_saved_step != step:
+        try:
+            save_checkpoint()
+        except CheckpointError as exc:
+            # run.dir's disk is full: the last resort is the system's temporary folder (often another disk).
+            rescued = distributed.from_rank0(rescue_weights(state) if is_main and state is not None else None)
+            kept = (
+                f"the trained weights are safe in {rescued}: copy them to {path} once there is room"
+                if rescued
+                else "and no copy of the weights could be written anywhere else either"
+            )
+            raise DtrainError(
+                f"could not write {path} ({error}), nor a checkpoint of the trained state ({exc}); {kept}"
+            ) from None
+    raise DtrainError(
+        f"could not write {path} ({error}); the trained state is safe in {checkpointer.store.root}/step-{step}: "
+        f"make room (or move what is in the way) and rerun the same command to write the weights"
+    )
+
+
+def _write_error(state: dict[str, torch.Tensor] | None, path: Path) -> str | None:
+    """Why `state` could not be written to `path`, or None once it is."""
+    assert state is not None, "rank 0 holds the full state dict"
+    try:
+        save_final_weights(state, path)
+    except Exception as exc:
+        error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+        if "No space left on device" in error:  # safetensors wraps it: "I/O error: ... (os error 28)"
+            error = "No space left on device"
+        return error
+    return None
+
+
+def rescue_weights(state: dict[str, torch.Tensor]) -> str | None:
+    """model.safetensors in a new folder of the first place with room: the system's temporary folder,
+    /dev/shm (memory), the home folder, the current folder. Where it went, or None."""
+    for place in dict.fromkeys([tempfile.gettempdir(), "/dev/shm", str(Path.home()), os.getcwd()]):
+        folder = None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="dtrain-rescued-weights-", dir=place))
+            save_final_weights(state, folder / "model.safetensors")
+            return str(folder / "model.safetensors")
+        except Exception:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+    return None

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from dtrain.errors import DataError
+
 
 class ShardSampler(Sampler[int]):
     """A rank's share of `n` samples for one epoch, with DistributedSampler's order and padding."""
@@ -82,6 +84,23 @@ class GlobalOrderSampler(ShardSampler):
         generator.manual_seed(self.seed + epoch)
         order = torch.randperm(self.n, generator=generator)[: self.total_size]
         return order.view(self.global_batches, self.world_size, self.batch_size)[:, self.rank].reshape(-1)
+
+
+def train_sampler(
+    n: int, rank: int, world_size: int, batch_size: int, seed: int, accum: int, global_order: bool
+) -> ShardSampler:
+    """DistributedSampler's order of `n` samples; for data that asks for it (`global_order`: token
+    windows) an order that does not depend on the world size, which needs one whole global batch."""
+    if not global_order:
+        return ShardSampler(n, rank, world_size, seed=seed)
+    sampler = GlobalOrderSampler(n, rank, world_size, batch_size, seed=seed, accum=accum)
+    if sampler.global_batches == 0:
+        raise DataError(
+            f"the training set has {n} samples, fewer than one global batch "
+            f"(data.batch_size={batch_size} × {world_size} processes); lower "
+            f"data.batch_size (or data.block_size for token data)"
+        )
+    return sampler
 
 
 def eval_shard(n: int, rank: int, world_size: int) -> torch.Tensor:

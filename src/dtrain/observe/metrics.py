@@ -10,19 +10,46 @@ straggle. That gather is the only place the host waits for the device.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtrain import distributed
+from dtrain.config import Config
+from dtrain.data import TrainBatches
+from dtrain.data.batch import num_tokens, split
+from dtrain.observe import memory, perf
 from dtrain.observe.memory import FIELDS as memory_fields
 from dtrain.observe.perf import stragglers
 from dtrain.observe.steptime import PHASES, StepTimer
 
 
 class StepMetrics:
+    @classmethod
+    def for_run(
+        cls,
+        config: Config,
+        device: torch.device,
+        world_size: int,
+        timer: StepTimer,
+        module: torch.nn.Module,
+        batches: TrainBatches,
+        loss_of: Callable,
+        count_skips: bool,
+    ) -> StepMetrics:
+        """The metrics of a run: FLOPs per sample counted (on the whole module: before it is sharded)
+        where `monitor.flops` asks, or at "auto" where the device's peak is known (for MFU)."""
+        monitor, training = config.monitor, config.training
+        peak = perf.peak_flops(device, training.precision, monitor.peak_tflops, training.tf32)
+        counted = monitor.flops == "yes" or (monitor.flops == "auto" and peak is not None)
+        flops = perf.training_flops_per_sample(module, batches, loss_of) if counted else None
+        hosts = distributed.hostnames()
+        return cls(device, world_size, timer, hosts, flops, peak, monitor.straggler_margin, count_skips)
+
     def __init__(
         self,
         device: torch.device,
@@ -54,10 +81,30 @@ class StepMetrics:
         self._windows = 0
         # A step left out of the rates (torch.compile's first): its samples, tokens and seconds.
         self._untimed: tuple[int, int | None, float] | None = None
-        # Set by the trainer after its first step: this rank's (parameter, gradient, optimizer-state)
-        # bytes and how to read its peak memory; sent with the next gather, then cleared.
+        # Measured in the first step (after_backward, after_update): this rank's (parameter, gradient,
+        # optimizer-state) bytes and how to read its peak memory; sent with the next gather, then cleared.
         self.held: tuple[int, int, int] | None = None
         self.peak: Callable[[], tuple[int, str]] | None = None
+        self._probe: str | None = "gradients"  # what the first step measures next; None once it has
+        self._grad_bytes = 0
+
+    def after_backward(self, module: torch.nn.Module) -> bool:
+        """The step's backward is done; the first step's gradients are measured. Whether this was the
+        first step's (then True, once)."""
+        if self._probe != "gradients":
+            return False
+        self._grad_bytes, self._probe = memory.gradient_bytes(module), "state"
+        return True
+
+    def after_update(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer stepped; the first step's parameters and optimizer state (AdamW's exists now) are
+        measured: what this rank holds goes out with the next log step."""
+        if self._probe != "state":
+            return
+        params, state = memory.state_bytes(module, optimizer)
+        self.held = (params, self._grad_bytes, state)
+        self.peak = lambda: memory.peak_bytes(self.device)
+        self._probe = None
 
     def restart(self) -> None:
         """Start the window afresh (set-up time is not training time)."""
@@ -86,6 +133,13 @@ class StepMetrics:
         """Evaluation and checkpoints do not count as training time."""
         self._paused_at = time.perf_counter()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Pause for what the block does (evaluation, a checkpoint), resume once it is done."""
+        self.pause()
+        yield
+        self.resume()
+
     def resume(self) -> None:
         if self._paused_at is not None:
             self._start += time.perf_counter() - self._paused_at
@@ -105,9 +159,13 @@ class StepMetrics:
         own_seconds = max(time.perf_counter() - self._start, 1e-9)
         split = [phases[p] for p in PHASES] if phases else []
         measured = self.held is not None and self.peak is not None
-        memory = [*self.held, self.peak()[0]] if measured else [0.0] * len(memory_fields)
+        held = (
+            [*self.held, self.peak()[0]]
+            if self.held is not None and self.peak is not None
+            else [0.0] * len(memory_fields)
+        )
         local = torch.tensor(
-            [0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *memory, *split],
+            [0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *held, *split],
             dtype=torch.float64,
             device=self.device,
         )
@@ -168,6 +226,12 @@ class StepMetrics:
         if slow:
             out["stragglers"] = [{"rank": r, "host": self.hosts[r], "slower": share} for r, share in slow]
         return out
+
+
+def step_tokens(micro_batches: list[Any]) -> int | None:
+    """Tokens in a step's batches of token sequences (from shapes), or None for other data."""
+    counts = [num_tokens(split(batch)[1]) for batch in micro_batches]
+    return None if None in counts else sum(c for c in counts if c is not None)
 
 
 # Columns of the vector each rank contributes to the gather.

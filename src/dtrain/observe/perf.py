@@ -5,10 +5,13 @@ from __future__ import annotations
 import copy
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from dtrain.data import TrainBatches
 
 # Dense (no sparsity) peak TFLOP/s of one device, from the vendors' data sheets: 16-bit tensor-core math
 # (bf16/fp16 with fp32 accumulation), TF32 tensor-core math (None where the device has no TF32), and
@@ -65,6 +68,20 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float, tf3
         return None
     tflops = peak_tflops_of(torch.cuda.get_device_name(device), precision, tf32)
     return None if tflops is None else tflops * 1e12
+
+
+def training_flops_per_sample(module: nn.Module, batches: TrainBatches, loss_of: Callable) -> float | None:
+    """Training FLOPs per sample of the whole (unsharded) module: from the model's own count per token
+    where it has one (the built-in GPT: 6N + attention, as nanoGPT and PaLM count), else counted once on
+    a meta-device copy of the first micro-batch (flops_per_sample)."""
+    from dtrain.data.batch import num_samples, num_tokens, split
+
+    micro_batch = next(iter(batches.epoch(0)))[0]
+    samples, target = num_samples(micro_batch), split(micro_batch)[1]
+    per_token, tokens = getattr(module, "flops_per_token", None), num_tokens(target)
+    if callable(per_token) and tokens:
+        return per_token(target.shape[-1]) * tokens / samples
+    return flops_per_sample(module, micro_batch, samples, loss_of)
 
 
 def flops_per_sample(module: nn.Module, batch: Any, samples: int, loss_of: Callable) -> float | None:

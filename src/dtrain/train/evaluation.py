@@ -4,6 +4,7 @@
 `eval_perplexity` is exp of that). `eval_accuracy` only where outputs are class scores against integer
 classes. `Trainer(eval_metrics=fn)`: `fn(output, batch)` returns per-batch means, averaged over every
 eval sample. Sums stay on the device in float64 until the end: one host sync per evaluation.
+`Evaluator` answers when to evaluate (`training.eval_every` epochs, and after the last step) and runs it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,74 @@ from typing import Any
 import torch
 
 from dtrain import distributed
-from dtrain.data.batch import IGNORE_INDEX
+from dtrain.config import Config
+from dtrain.data import EvalBatches
+from dtrain.data.batch import IGNORE_INDEX, num_samples
 from dtrain.errors import DtrainError
-from dtrain.train.loss import logits_of
+from dtrain.observe.steptime import Progress, StepTimer
+from dtrain.train.amp import Precision
+from dtrain.train.loss import LossOf, logits_of
 
 EvalMetrics = Callable[[Any, Any], Mapping[str, Any]]
+
+
+class Evaluator:
+    """The eval set's metrics (see EvalSums) over every rank's share, and when to take them."""
+
+    def __init__(
+        self,
+        batches: EvalBatches,
+        loss_of: LossOf,
+        user_metrics: EvalMetrics | None,
+        eval_every: int,
+        precision: Precision,
+        progress: Progress,
+    ):
+        self.batches, self.loss_of, self.user_metrics = batches, loss_of, user_metrics
+        self.eval_every, self.precision, self.progress = eval_every, precision, progress
+
+    @classmethod
+    def of(
+        cls,
+        eval_data: Any,
+        session: distributed.Session,
+        config: Config,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        loss_of: LossOf,
+        user_metrics: EvalMetrics | None,
+        precision: Precision,
+        timer: StepTimer,
+    ) -> Evaluator | None:
+        """The evaluator of `eval_data`, this rank's share batched as `data` says (None without one); it
+        tells `timer`'s progress (the hang watch) that it evaluates."""
+        if eval_data is None:
+            return None
+        batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
+        return cls(batches, loss_of, user_metrics, config.training.eval_every, precision, timer.progress)
+
+    def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:
+        """After the last step, and at the end of every `training.eval_every`-th epoch."""
+        if step == total_steps:
+            return True
+        return epoch_done and self.eval_every > 0 and epoch % self.eval_every == 0
+
+    @torch.no_grad()
+    def evaluate(self, module: torch.nn.Module, forward_is_collective: bool, device: torch.device) -> dict[str, float]:
+        """Run `module` (the user's own, not DDP's wrapper: no gradients, nothing to all-reduce) over this
+        rank's eval batches; the metrics reduced over every rank (a collective). Under FSDP the forward
+        pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted."""
+        batches = self.batches.evened() if forward_is_collective else ((batch, True) for batch in self.batches)
+        was_training = module.training
+        module.eval()
+        sums = EvalSums(device, self.user_metrics)
+        for batch, counted in batches:
+            self.progress.at("evaluation")
+            with self.precision.autocast():
+                loss, output, target = self.loss_of(module, batch)
+            if counted:
+                sums.add(loss, output, target, batch, num_samples(batch))
+        module.train(was_training)
+        return sums.result()
 
 
 class EvalSums:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from dtrain.config import OptimizerConfig, SchedulerConfig
+from dtrain.config import OptimizerConfig, SchedulerConfig, TrainingConfig
 
 _CPU = torch.device("cpu")
 
@@ -28,7 +28,12 @@ def build_optimizer(
             **options,
         )
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay, **options
+        params,
+        lr=config.lr,
+        betas=(config.betas[0], config.betas[1]),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        **options,
     )
 
 
@@ -65,6 +70,12 @@ class LRShape:
         if self.name == "cosine":
             return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
         return self.floor + (1 - self.floor) * (1 - progress)
+
+
+def planned_steps(training: TrainingConfig, steps_per_epoch: int) -> int:
+    """The optimizer steps the run plans: `training.epochs`, or fewer where `training.max_steps` says so."""
+    steps = training.epochs * steps_per_epoch
+    return min(steps, training.max_steps) if training.max_steps else steps
 
 
 def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:

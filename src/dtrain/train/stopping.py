@@ -1,14 +1,20 @@
 """SIGTERM (a scheduler preempting the job) asks the run to stop at the next point the ranks agree on.
 
 The handler only sets a flag: the step in flight finishes, the ranks agree at the next logging
-all-reduce (every `training.log_every` steps, sooner where steps are slow: Trainer._pace_stop_checks;
-every step in a one-process run), write one checkpoint and exit with EXIT_REQUEUE.
+all-reduce (every `training.log_every` steps, sooner where steps are slow: StopAgreement.pace; every
+step in a one-process run), write one checkpoint and exit with EXIT_REQUEUE. `training.stop_at_step`
+stops a run at a planned step instead (StopAgreement.step_reached).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
+
+from dtrain import distributed
+from dtrain.config import CheckpointConfig, TrainingConfig
+from dtrain.errors import Preempted
 
 
 class StopRequest:
@@ -25,5 +31,65 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
+    def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.uninstall()
+
     def _handle(self, signum, frame) -> None:
         self.requested = True
+
+
+class StopAgreement:
+    """When the group stops before its planned end, every rank at the same step: on SIGTERM (this rank's
+    `request`, agreed at log steps and, for slow steps, between them) or at `training.stop_at_step`."""
+
+    def __init__(self, training: TrainingConfig, checkpoint: CheckpointConfig, world_size: int):
+        self.training, self.checkpoint, self.world_size = training, checkpoint, world_size
+        self.request = StopRequest()
+        self.check_every = training.log_every  # steps between agreements off log steps: see pace
+
+    def step_reached(self, step: int, total_steps: int) -> bool:
+        """Whether the run has reached `training.stop_at_step` — or its end, where that lies beyond it (a
+        checkpoint is written there too, so the command without it continues or finds the run complete)."""
+        stop_at = self.training.stop_at_step
+        return stop_at > 0 and step >= min(stop_at, total_steps)
+
+    def between_log_steps(self, step: int) -> bool:
+        """At a step that logs nothing, whether the group stops (SIGTERM): a lone process has nobody to
+        agree with and checks every step; slow steps agree every `check_every` steps (see pace)."""
+        if self.world_size == 1:
+            return self.request.requested
+        if step % self.check_every == 0:
+            return any(distributed.gather_objects(self.request.requested))
+        return False
+
+    def pace(self, seconds: float) -> None:
+        """After SIGTERM the ranks must agree to stop, and write the checkpoint, within
+        `checkpoint.preempt_grace_s`. They agree at log steps; where `training.log_every` steps of this
+        run's pace (the slowest rank's second step, agreed once: a collective) would take more than a
+        quarter of that grace, they also agree every so many steps between — one tiny gather per that
+        many slow steps. Fast steps keep log steps as the only agreement."""
+        log_every = self.training.log_every
+        if self.world_size == 1 or log_every == 1:
+            return
+        slowest = max(distributed.gather_objects(seconds))
+        affordable = int(self.checkpoint.preempt_grace_s / 4 / max(slowest, 1e-6))
+        self.check_every = max(1, min(log_every, affordable))
+
+    def preempted(self, step: int, checkpoints: Path) -> Preempted:
+        return Preempted(
+            f"stopped by SIGTERM at step {step}; checkpoint written to {checkpoints}/step-{step}; rerun the "
+            f"same command to resume"
+        )
+
+    def stopped_early(self, step: int, first_step: int) -> str:
+        """The console line for a run that stopped at `training.stop_at_step`."""
+        if step > first_step:
+            return f"stopped at step {step} as training.stop_at_step asks; resume to continue"
+        return (
+            f"training.stop_at_step={self.training.stop_at_step} and the run is at step {step} already: "
+            f"nothing trained; rerun without it (or with a later step) to continue"
+        )

@@ -1,0 +1,75 @@
+"""A run's claim on its run.dir: checked, locked and cleared of an earlier run's outputs at the start,
+forgotten again by a new run that trained nothing, released at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from dtrain import distributed, rundir
+from dtrain.checkpoint.store import CheckpointStore
+from dtrain.config import RunConfig
+from dtrain.rundir.lock import RunDirLock
+
+
+class RunDirClaim:
+    """Rank 0's hold on run.dir for the life of the run (the other ranks hold nothing, but take part in
+    the agreement that rank 0 may go on)."""
+
+    def __init__(self, run_dir: Path, run: RunConfig, is_main: bool):
+        self.run_dir, self.run, self.is_main = run_dir, run, is_main
+        self.lock = RunDirLock(run_dir)
+        self.replaced: list[str] = []  # names of the earlier outputs take() removed
+        self.fresh = False  # what run.dir holds is this run's own: set once it knows it resumes nothing
+
+    def take(self, module: nn.Module) -> None:
+        """Rank 0 checks run.dir (usable; no other program's files; an earlier run only when told to
+        replace it), locks it for the life of the run (two live runs must never share it), checks the
+        final weights will fit, and only then deletes an earlier run's outputs (see rundir); a refusal
+        is raised on every rank."""
+
+        def decide() -> list[str]:
+            again = distributed.later_attempt()
+            rundir.check_usable(self.run_dir)
+            rundir.check_config_file_is_ours(self.run_dir)
+            rundir.check_contents(self.run_dir, self.run.allow_other_files)
+            fresh = self.run.overwrite and not again  # a restart of this run resumes instead
+            resuming = not fresh and CheckpointStore(self.run_dir).newest() is not None
+            earlier = rundir.earlier_outputs(self.run_dir, resuming=resuming, overwrite=fresh, again=again)
+            self.lock.acquire()
+            rundir.check_room(self.run_dir, weights_bytes(module), "the final model.safetensors")
+            rundir.remove(earlier)
+            return [p.name for p in earlier]
+
+        self.replaced = distributed.rank0_decides(decide, is_main=self.is_main) or []
+
+    def said(self) -> list[str]:
+        """The console line naming the earlier outputs take() replaced, if any."""
+        if not self.replaced:
+            return []
+        whose = "an earlier attempt of this run" if distributed.later_attempt() else "the earlier run (run.overwrite)"
+        return [f"replaced the outputs of {whose}: {', '.join(self.replaced)}"]
+
+    def forget(self, steps_taken: int, close_writers: Callable[[], None] | None = None) -> None:
+        """A new run that fails before its first step (bad data found in the first batch, a model that
+        does not fit) leaves nothing half-written: rank 0 closes what writes into run.dir
+        (`close_writers`) and removes what it wrote, so the rerun with the problem fixed starts as the
+        first would."""
+        if not (self.fresh and self.is_main and steps_taken == 0):
+            return
+        if close_writers is not None:
+            close_writers()
+        rundir.remove(
+            [self.run_dir / name for name in rundir.OUTPUTS if name != "checkpoints" and (self.run_dir / name).exists()]
+        )
+
+    def release(self, remove_if_created: bool = False) -> None:
+        """Drop the lock; on a refused start, also remove a run.dir the lock created."""
+        self.lock.release(remove_if_created=remove_if_created)
+
+
+def weights_bytes(module: nn.Module) -> int:
+    """About the size of model.safetensors: every tensor of the state dict, plus room for its header."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values()) + (64 << 10)

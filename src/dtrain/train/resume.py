@@ -1,0 +1,276 @@
+"""Resuming a run where the config governs, as in Lightning and torchtitan.
+
+A checkpoint brings back the optimizer, schedule and position it was written with. The config of the
+resumed run may differ: another number of processes or data.batch_size (the accumulation changes to
+keep the checkpoint's global batches: `ResumePlan.regroup`), another length, schedule, learning rate or
+optimizer setting (the config's win: `ResumePlan.restore`), another strategy or precision (said, not
+refused). `ResumePlan.lines` says on the console what changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from dtrain import distributed, rundir
+from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
+from dtrain.checkpoint.state import processes, regroup
+from dtrain.config import Config
+from dtrain.data import TrainBatches
+from dtrain.errors import DtrainError
+from dtrain.files import atomic_write_text
+from dtrain.observe.monitor import Monitor
+from dtrain.train.optim import LRShape
+
+# The optimizer settings a config sets besides the learning rate (which the schedule owns).
+_HYPERPARAMETERS = ("momentum", "nesterov", "weight_decay", "betas", "eps")
+
+
+class ResumePlan:
+    """How this run continues the checkpoint it resumes from, and what it says about it."""
+
+    def __init__(self, config: Config, run_dir: Path):
+        self.config, self.run_dir = config, run_dir
+        self.grad_accum_steps = config.training.grad_accum_steps  # the effective one, after regroup
+        self.regrouped: str | None = None  # the console line of a changed accumulation
+        self.resumed_from: Checkpoint | None = None
+        self.replanned: str | None = None  # what of the config changed since the checkpoint
+        self.rescheduled = False
+
+    def regroup(self, session: distributed.Session, global_order: bool) -> int:
+        """Resuming a checkpoint written by another number of processes (a node lost for good, a job
+        requeued on another allocation), or with another data.batch_size: the same global sample
+        position and global batches, the accumulation changed to make them up (see
+        checkpoint.state.regroup); on another number of processes only token data can, other data is
+        refused. The accumulation this run uses (the config is left as it is)."""
+        cfg = self.config
+
+        def decide() -> tuple[str, int, int] | None:
+            fresh = cfg.run.overwrite and not distributed.later_attempt()
+            saved = resume_geometry(cfg.checkpoint, self.run_dir, fresh=fresh)
+            if saved is None or not saved[2]:
+                return None
+            world, batch_size, accum = session.world_size, cfg.data.batch_size, cfg.training.grad_accum_steps
+            return saved[0], saved[1], regroup(*saved, world, batch_size, accum, global_order)
+
+        found = distributed.rank0_decides(decide, is_main=session.is_main)
+        if found is not None and found[2] != cfg.training.grad_accum_steps:
+            self.grad_accum_steps = found[2]
+            self.regrouped = self._regrouped_line(*found, session.world_size)
+        return self.grad_accum_steps
+
+    def followed(self, config: Config) -> Config:
+        """`config` as this run follows it: the same object, or after a regroup a copy with the accumulation
+        used (the caller's config is never changed; config.toml and the trackers get the copy)."""
+        if self.grad_accum_steps == config.training.grad_accum_steps:
+            return config
+        return dataclasses.replace(
+            config, training=dataclasses.replace(config.training, grad_accum_steps=self.grad_accum_steps)
+        )
+
+    def _regrouped_line(self, name: str, saved_world: int, accum: int, world: int) -> str:
+        before, batch_size = self.config.training.grad_accum_steps, self.config.data.batch_size
+        global_batch = accum * batch_size * world
+        if saved_world == world:  # another data.batch_size, or a checkpoint of a regrouped run
+            return (
+                f"{name} took global batches of {global_batch} samples: with data.batch_size="
+                f"{batch_size} on {processes(world)}, training.grad_accum_steps {accum} (not the "
+                f"config's {before}) keeps them"
+            )
+        return (
+            f"{name} was written by {processes(saved_world)} and this run has {world}: "
+            f"training.grad_accum_steps {before} → {accum} keeps its global batch of {global_batch} samples"
+        )
+
+    def restore(
+        self,
+        checkpointer: Checkpointer,
+        resume_from: Checkpoint,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        total_steps: int,
+    ) -> Position:
+        """Load `resume_from`, then put the config's plan and optimizer settings over the checkpoint's."""
+        cfg = self.config
+        if resume_from.step > total_steps:
+            raise DtrainError(
+                f"{resume_from.path} is at step {resume_from.step} and this config plans "
+                f"{total_steps} steps (training.epochs={cfg.training.epochs}, "
+                f"training.max_steps={cfg.training.max_steps}); raise them to continue "
+                f"that run, or start a new run.dir"
+            )
+        optimizer = scheduler.optimizer
+        wanted = _hyperparameters(optimizer)  # the config's, before the checkpoint's replace them
+        position = checkpointer.restore(resume_from)
+        respread = ", ".join(
+            f"{key} {position.setup[key]} → {value}"
+            for key, value in checkpointer.parts.setup.items()
+            if key in position.setup and position.setup[key] != value
+        )
+        rescheduled = follow_the_configs_plan(scheduler, cfg, total_steps)
+        changes = (rescheduled, follow_the_configs_optimizer(optimizer, wanted), respread)
+        self.resumed_from, self.rescheduled = resume_from, rescheduled is not None
+        self.replanned = ", ".join(filter(None, changes)) or None
+        return position
+
+    def start_outputs(
+        self,
+        config: Config,
+        session: distributed.Session,
+        said: list[str],
+        step: int,
+        epoch: int,
+        steps_per_epoch: int,
+        total_steps: int,
+    ) -> Monitor:
+        """Rank 0 writes config.toml (the config this run follows: `config`) and, continuing a checkpoint,
+        drops what an interrupted run logged after it; then every rank opens its monitor, which says
+        `said` (how the run starts), which attempt this is, and what changed since the checkpoint."""
+        run_dir, is_main = self.run_dir, session.is_main
+        continuing = self.resumed_from is not None and step < total_steps
+        if is_main:
+            atomic_write_text(run_dir / "config.toml", rundir.CONFIG_HEADER + config.to_toml())
+            if continuing:
+                # An epoch that ended exactly at the checkpoint is evaluated again on resume.
+                epoch_end_pending = step == (epoch + 1) * steps_per_epoch
+                truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=epoch_end_pending)
+        monitor = Monitor(
+            run_dir,
+            is_main,
+            total_steps,
+            step,
+            purge_after=step if continuing else None,
+            trackers=config.monitor.trackers,
+            config=config.to_dict(),
+        )
+        attempt = distributed.describe_attempt(session.world_size)
+        for line in (*said, attempt, *self.lines(step, epoch, total_steps)):
+            if line:
+                monitor.info(line)
+        return monitor
+
+    def lines(self, step: int, epoch: int, total_steps: int) -> list[str]:
+        """What the console says about the resume: where from, and what changed (if it trains on)."""
+        if self.resumed_from is None:
+            return []
+        continuing = step < total_steps
+        said = [
+            f"resumed from {self.resumed_from.path} (step {step} of {total_steps}, epoch {epoch})"
+            + ("" if continuing else ": the run is already complete")
+        ]
+        if self.regrouped and continuing:
+            said.append(self.regrouped)
+        if self.replanned and continuing:
+            said.append(
+                f"the config changed since that checkpoint ({self.replanned}): this run follows it from "
+                f"step {step}" + (", the learning-rate schedule rebuilt for its plan" if self.rescheduled else "")
+            )
+        return said
+
+
+def check_stateful(parts: dict[str, Any], set_up: bool) -> None:
+    """Refuse a part to checkpoint that cannot save and load its state (torch's Stateful protocol), or
+    one registered once the run is `set_up` (and has resumed already)."""
+    if set_up:
+        raise DtrainError(
+            "register_for_checkpointing() after setup(): the run has resumed already; register before setup() or fit()"
+        )
+    for name, part in parts.items():
+        if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+            raise DtrainError(
+                f"register_for_checkpointing({name}=...) needs an object with state_dict() and "
+                f"load_state_dict(); {type(part).__name__} has not both"
+            )
+
+
+def identity(config: Config, train_samples: int) -> dict[str, Any]:
+    """What a checkpoint must share with this run to be resumed by it at all."""
+    return {
+        "optimizer.name": config.optimizer.name,
+        "run.seed": config.run.seed,
+        "data.name": config.data.name,
+        "training samples": train_samples,
+    }
+
+
+def spread(config: Config) -> dict[str, Any]:
+    """How the run is spread and computed: may change on resume, and the console says so (see restore)."""
+    return {
+        "distributed.strategy": config.distributed.strategy,
+        "training.compile": config.training.compile,
+        "training.activation_checkpointing": config.training.activation_checkpointing,
+        "training.precision": config.training.precision,
+    }
+
+
+def unschedule(scheduler: torch.optim.lr_scheduler.LambdaLR, skipped: int) -> None:
+    """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
+    optimizer's real updates (warm-up is not spent on steps that changed nothing). Every rank
+    does it at the same log step, with the same count."""
+    scheduler.last_epoch -= skipped + 1
+    scheduler.step()  # recomputes every group's lr at the corrected position
+
+
+def follow_the_configs_optimizer(optimizer: torch.optim.Optimizer, wanted: dict[str, Any]) -> str | None:
+    """The config's optimizer settings (momentum, weight decay, betas, …) over the checkpoint's, which
+    loading its state brought back. What changed, or None."""
+    restored = _hyperparameters(optimizer)
+    changes = [
+        f"optimizer.{key} {_plain(restored[key])} → {_plain(value)}"
+        for key, value in wanted.items()
+        if _plain(restored.get(key)) != _plain(value)
+    ]
+    for group in optimizer.param_groups:
+        group.update(wanted)
+    return ", ".join(changes) or None
+
+
+def follow_the_configs_plan(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Config, total_steps: int) -> str | None:
+    """On resume the config governs: a changed length (training.epochs / max_steps), schedule or peak
+    learning rate rebuilds the LR schedule for the new plan at the restored position — the restored
+    one would keep the old plan (and, extended past its end, train at its final learning rate, 0 for a
+    decay). What changed, or None."""
+    restored, wanted = cast(LRShape, scheduler.lr_lambdas[0]), LRShape(cfg.scheduler, total_steps)
+    peak = cfg.optimizer.lr
+    changes = [
+        f"{label} {a:g} → {b:g}" if isinstance(a, (int, float)) else f"{label} {a} → {b}"
+        for label, a, b in (
+            ("steps", restored.total, wanted.total),
+            ("scheduler.name", restored.name, wanted.name),
+            ("scheduler.warmup_steps", restored.warmup, wanted.warmup),
+            ("scheduler.min_lr_ratio", restored.floor, wanted.floor),
+            ("optimizer.lr", scheduler.base_lrs[0], peak),
+        )
+        if a != b
+    ]
+    if not changes:
+        return None
+    groups = scheduler.optimizer.param_groups
+    scheduler.lr_lambdas = [LRShape(cfg.scheduler, total_steps) for _ in groups]
+    scheduler.base_lrs = [peak] * len(groups)
+    for group in groups:
+        group["initial_lr"] = peak
+    unschedule(scheduler, 0)  # every group's lr for the restored position under the new plan
+    return ", ".join(changes)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    group = optimizer.param_groups[0]
+    return {key: group[key] for key in _HYPERPARAMETERS if key in group}
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the config writes it (a checkpoint's JSON makes betas a list)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def batch_stream(batches: TrainBatches, step: int) -> Iterator[list[Any]]:
+    """Every step's micro-batches from `step` (the run's position) on, one epoch's order after the next:
+    each epoch is shuffled by its number, so a resumed run sees the batches it would have."""
+    per_epoch = batches.steps_per_epoch
+    for epoch in itertools.count(step // per_epoch):
+        yield from batches.epoch(epoch, start_step=max(0, step - epoch * per_epoch))

@@ -1,0 +1,68 @@
+"""The Trainer as a library: what it holds before set-up, `evaluate()` before `setup()`, and the caller's
+Config left as it was given when a resume changes the accumulation (config.toml says what was used)."""
+
+import tomllib
+import torch
+from torch.utils.data import TensorDataset
+
+import dtrain
+
+IN, HIDDEN, OUT = 12, 32, 3
+
+
+def data(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    return TensorDataset(x, x[:, :OUT].argmax(1))
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def config(run_dir, **sections):
+    raw = {
+        "run": {"dir": str(run_dir)},
+        "data": {"batch_size": 16},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"epochs": 2, "log_every": 3},
+        "monitor": {"trackers": []},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return dtrain.Config.from_dict(raw)
+
+
+def test_evaluate_before_setup_sets_the_run_up_and_evaluates_every_sample(tmp_path):
+    trainer = dtrain.Trainer(config(tmp_path / "run"), model=model(), train_data=data(), eval_data=data(40, seed=1))
+    # Declared before set-up, empty until it runs.
+    assert (trainer.optimizer, trainer.checkpointer, trainer.monitor, trainer.total_steps) == (None, None, None, 0)
+    before = trainer.evaluate()
+    assert trainer.session is not None and trainer.optimizer is not None  # it set the run up to evaluate
+    assert before["eval_samples"] == 40 and before["eval_loss"] > 0 and 0 <= before["eval_accuracy"] <= 1
+    assert trainer.evaluate() == before  # the same untrained weights, the same numbers
+    trainer.fit()  # the set-up it did is the one fit() uses
+    assert trainer.step == trainer.total_steps == 12
+    assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
+
+
+def test_evaluate_without_eval_data_is_empty_and_needs_no_setup(tmp_path):
+    trainer = dtrain.Trainer(config(tmp_path / "run"), model=model(), train_data=data())
+    assert trainer.evaluate() == {}
+    assert trainer.session is None and not (tmp_path / "run").exists()
+
+
+def test_a_regrouped_resume_leaves_the_callers_config_as_given(tmp_path):
+    """data.batch_size halved on resume: the run takes 2 accumulation steps to keep the checkpoint's global
+    batch. The Config the caller passed still says 1; the trainer and config.toml say 2."""
+    run_dir = tmp_path / "run"
+    dtrain.Trainer(config(run_dir, training={"stop_at_step": 4}), model=model(), train_data=data()).fit()
+    given = config(run_dir, data={"batch_size": 8})
+    trainer = dtrain.Trainer(given, model=model(), train_data=data())
+    trainer.fit()
+    assert given.training.grad_accum_steps == 1 and given.data.batch_size == 8  # the caller's, untouched
+    assert trainer.step == 12 and trainer.grad_accum_steps == 2
+    assert trainer.config is not given and trainer.config.training.grad_accum_steps == 2
+    written = tomllib.loads((run_dir / "config.toml").read_text())
+    assert written["training"]["grad_accum_steps"] == 2 and written["data"]["batch_size"] == 8
