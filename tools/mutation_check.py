@@ -29,8 +29,8 @@ BREAKAGES = {
         [
             (
                 "src/dtrain/train/trainer.py",
-                "        if resume_from is not None:\n            position = self.checkpointer",
-                "        if False:\n            position = self.checkpointer",
+                "        if resume_from is not None:\n            position = self.plan.restore",
+                "        if False:\n            position = self.plan.restore",
             )
         ],
         ["tests/checkpoint/test_checkpoint.py::test_stop_and_resume_is_bitwise_equal_in_every_situation"],
@@ -93,9 +93,9 @@ BREAKAGES = {
         "gradient accumulation all-reduces on every micro-batch (no no_sync)",
         [
             (
-                "src/dtrain/train/trainer.py",
-                "model.require_backward_grad_sync = i == last",
-                "model.require_backward_grad_sync = True",
+                "src/dtrain/parallel/ddp.py",
+                "self.model.require_backward_grad_sync = enabled",
+                "self.model.require_backward_grad_sync = True",
             )
         ],
         ["tests/train/test_training.py::test_accumulation_skips_the_allreduce_on_all_but_the_last_micro_batch"],
@@ -105,8 +105,8 @@ BREAKAGES = {
         [
             (
                 "src/dtrain/train/trainer.py",
-                '        if record.get("skipped_steps"):\n            self._unschedule',
-                "        if False:\n            self._unschedule",
+                '        if record.get("skipped_steps"):\n            resume.unschedule',
+                "        if False:\n            resume.unschedule",
             )
         ],
         ["tests/test_gpu_paths.py::test_skipped_fp16_steps_are_counted_and_leave_norms_and_schedule_true"],
@@ -116,8 +116,8 @@ BREAKAGES = {
         [
             (
                 "src/dtrain/train/trainer.py",
-                "            self.metrics.loss_sum += loss.detach()",
-                "            self.metrics.loss_sum += loss.detach().item()",
+                "            metrics.loss_sum += loss.detach()",
+                "            metrics.loss_sum += loss.detach().item()",
             )
         ],
         ["tests/test_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
