@@ -10,9 +10,9 @@ import random
 
 import numpy as np
 import pytest
+import tiny
 import torch
 import torch.distributed as dist
-from torch.utils.data import TensorDataset
 
 import dtrain
 import dtrain.train.optim
@@ -177,27 +177,26 @@ def test_adamw_is_fused_on_cuda_and_sgd_never():
     assert implementation_options("adamw", torch.device("cpu")) == {}
 
 
+FP16_JOB = {
+    "data": {"batch_size": 8},
+    "optimizer": {"name": "adamw", "lr": 0.01},
+    "scheduler": {"name": "linear", "warmup_steps": 6},
+    "training": {"epochs": 2, "log_every": 4, "max_grad_norm": 1.0},
+}
+
+
 def data(n=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    return tiny.points(n, 8, seed, lambda x: (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 def model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return tiny.seeded(
+        lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)), seed
+    )
 
 
 def config(run_dir, **training):
-    return dtrain.Config.from_dict(
-        {
-            "run": {"dir": str(run_dir)},
-            "data": {"batch_size": 8},
-            "optimizer": {"name": "adamw", "lr": 0.01},
-            "scheduler": {"name": "linear", "warmup_steps": 6},
-            "training": {"epochs": 2, "log_every": 4, "max_grad_norm": 1.0, **training},
-        }
-    )
+    return tiny.job_config(run_dir, FP16_JOB, **training)
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import tiny
 import tomllib
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 import dtrain
 from dtrain.checkpoint.store import CheckpointError
@@ -26,27 +27,25 @@ from helpers import dtrain as dtrain_cli
 IN, HIDDEN, OUT = 12, 32, 3
 
 
+DEFAULTS = {
+    "data": {"batch_size": 16},
+    "optimizer": {"name": "sgd", "lr": 0.1},
+    "training": {"epochs": 2, "log_every": 5},
+}
+
+
 def data(n=160, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, IN, generator=g)
-    return TensorDataset(x, x[:, :OUT].argmax(1))
+    return tiny.points(n, IN, seed, lambda x: x[:, :OUT].argmax(1))
 
 
 def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+    return tiny.seeded(
+        lambda: torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)), 0
+    )
 
 
 def config(run_dir, **sections):
-    raw = {
-        "run": {"dir": str(run_dir)},
-        "data": {"batch_size": 16},
-        "optimizer": {"name": "sgd", "lr": 0.1},
-        "training": {"epochs": 2, "log_every": 5},
-    }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return dtrain.Config.from_dict(raw)
+    return tiny.job_config(run_dir, DEFAULTS, sections)
 
 
 # --- checkpoints are read without unrestricted pickle ----------------------------------------------

@@ -13,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+import tiny
 import torch
 import torch.distributed as dist
 from faults import DyingMLP
 from safetensors.torch import load_file
-from torch.utils.data import TensorDataset
 
 import dtrain
 
@@ -33,30 +33,26 @@ VARIANTS = {
 }
 
 
+JOB = {
+    "run": {"seed": 3},
+    "data": {"batch_size": BATCH},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "scheduler": {"name": "cosine", "warmup_steps": 3},
+    "training": {"epochs": 3, "log_every": 2, "max_grad_norm": 5.0},
+}
+
+
 def config(run_dir: Path, overrides: dict, **training) -> dtrain.Config:
-    raw = {
-        "run": {"dir": str(run_dir), "seed": 3},
-        "data": {"batch_size": BATCH},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "scheduler": {"name": "cosine", "warmup_steps": 3},
-        "training": {"epochs": 3, "log_every": 2, "max_grad_norm": 5.0},
-    }
-    for section, values in overrides.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    raw["training"] = {**raw["training"], **training}
-    return dtrain.Config.from_dict(raw)
+    return tiny.job_config(run_dir, JOB, overrides, **training)
 
 
 def model(seed: int = 11) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return DyingMLP((12,), 3, hidden_size=32, dropout=0.2)  # dropout: the RNG state matters
+    return tiny.seeded(lambda: DyingMLP((12,), 3, hidden_size=32, dropout=0.2), seed)  # dropout: RNG matters
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N_TRAIN, 12, generator=g)
-    data = TensorDataset(x, (x[:, :3].argmax(1)))
+    data = tiny.points(N_TRAIN, 12, 0, lambda x: x[:, :3].argmax(1))
     results = {}
     for name, (overrides, stop) in VARIANTS.items():
         unbroken = dtrain.Trainer(config(out / name / "unbroken", overrides), model=model(), train_data=data)

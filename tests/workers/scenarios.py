@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import tiny
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -31,28 +32,24 @@ BATCH = 16
 EPOCHS = 2
 
 
+JOB = {
+    "run": {"seed": SEED},
+    "data": {"batch_size": BATCH},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "training": {"epochs": EPOCHS, "log_every": 1},
+}
+
+
 def data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 20, generator=g)
-    y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 1).long()) % 4
-    return TensorDataset(x, y)
+    return tiny.points(n, 20, seed, lambda x: (x[:, :4].argmax(dim=1) + (x[:, 4] > 1).long()) % 4)
 
 
 def config(run_dir: Path, sections: dict | None = None, **training) -> dtrain.Config:
-    raw = {
-        "run": {"dir": str(run_dir), "seed": SEED},
-        "data": {"batch_size": BATCH},
-        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
-        "training": {"epochs": EPOCHS, "log_every": 1, **training},
-    }
-    for section, values in (sections or {}).items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return dtrain.Config.from_dict(raw)
+    return tiny.job_config(run_dir, JOB, sections, **training)
 
 
 def fresh_model() -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    return mlp((20,), 4, hidden_size=32)
+    return tiny.seeded(lambda: mlp((20,), 4, hidden_size=32), SEED)
 
 
 def plain_ddp_run(train: TensorDataset) -> tuple[list[float], torch.nn.Module]:

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import tiny
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -31,22 +32,22 @@ def tokens(n: int, seed: int) -> TensorDataset:
     return TensorDataset(seq[:, :-1], seq[:, 1:])
 
 
+JOB = {
+    "run": {"seed": 3},
+    "data": {"batch_size": 4, "eval_batch_size": 5},
+    "optimizer": {"name": "adamw", "lr": 0.01},
+    "training": {"max_steps": 8, "log_every": 1},
+    "checkpoint": {"every_steps": 4},
+}
+
+
 def config(run_dir: Path, strategy: str, **training) -> dtrain.Config:
-    return dtrain.Config.from_dict(
-        {
-            "run": {"dir": str(run_dir), "seed": 3},
-            "data": {"batch_size": 4, "eval_batch_size": 5},
-            "optimizer": {"name": "adamw", "lr": 0.01},
-            "training": {"max_steps": 8, "log_every": 1, **training},
-            "checkpoint": {"every_steps": 4},
-            "distributed": {"strategy": strategy, **({"hsdp_shard_size": 2} if strategy == "hsdp" else {})},
-        }
-    )
+    spread = {"strategy": strategy, **({"hsdp_shard_size": 2} if strategy == "hsdp" else {})}
+    return tiny.job_config(run_dir, JOB, {"distributed": spread}, **training)
 
 
 def model() -> GPT:
-    torch.manual_seed(3)
-    return GPT(VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=16)
+    return tiny.seeded(lambda: GPT(VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=16), 3)
 
 
 def train(run_dir: Path, strategy: str, **training) -> dtrain.Trainer:

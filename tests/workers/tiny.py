@@ -1,0 +1,42 @@
+"""The tiny jobs the tests train: a config made of a few sections, labelled random points, a seeded model.
+
+One builder for the test modules and for the worker scripts torchrun starts (both have this folder on their
+path), so that every test's job reads as its differences from its module's defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.data import TensorDataset
+
+import dtrain
+
+T = TypeVar("T")
+
+
+def job_config(
+    run_dir: Path | str, defaults: dict[str, dict[str, Any]], sections: dict | None = None, **training: Any
+) -> dtrain.Config:
+    """`defaults` (section → keys) in `run_dir`, each of `sections` merged over them key by key, then
+    `training` keys over the training section."""
+    raw: dict[str, dict[str, Any]] = {name: dict(keys) for name, keys in defaults.items()}
+    raw.setdefault("run", {})["dir"] = str(run_dir)
+    for section, keys in {**(sections or {}), "training": {**(sections or {}).get("training", {}), **training}}.items():
+        raw[section] = {**raw.get(section, {}), **keys}
+    return dtrain.Config.from_dict(raw)
+
+
+def points(n: int, features: int, seed: int, label: Callable[[torch.Tensor], torch.Tensor]) -> TensorDataset:
+    """`n` standard-normal points of `features` values, the same for a seed, labelled by `label(x)`."""
+    x = torch.randn(n, features, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, label(x))
+
+
+def seeded(build: Callable[[], T], seed: int) -> T:
+    """`build()` under torch's global seed `seed`: the same initial weights, call after call."""
+    torch.manual_seed(seed)
+    return build()
