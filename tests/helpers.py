@@ -14,6 +14,18 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 TIMEOUT = 240  # seconds: a hung distributed test fails instead of stalling the suite
+# A small synthetic job on the command line, as a user types it: `dtrain("run", *SMALL_JOB, ...)`.
+SMALL_JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=300",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "training.epochs=2",
+    "training.log_every=5",
+    "model.hidden_size=16",
+]
 
 
 def env(**extra: str) -> dict[str, str]:

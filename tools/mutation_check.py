@@ -120,7 +120,7 @@ BREAKAGES = {
                 "            metrics.loss_sum += loss.detach().item()",
             )
         ],
-        ["tests/test_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
+        ["tests/train/test_step_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
     ),
 }
 

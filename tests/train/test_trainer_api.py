@@ -1,37 +1,23 @@
 """The Trainer as a library: what it holds before set-up, `evaluate()` before `setup()`, and the caller's
 Config left as it was given when a resume changes the accumulation (config.toml says what was used)."""
 
+import tiny
 import tomllib
-import torch
-from torch.utils.data import TensorDataset
 
 import dtrain
 
-IN, HIDDEN, OUT = 12, 32, 3
-
 
 def data(n=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, IN, generator=g)
-    return TensorDataset(x, x[:, :OUT].argmax(1))
-
-
-def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+    return tiny.small_data(n, seed)
 
 
 def config(run_dir, **sections):
-    raw = {
-        "run": {"dir": str(run_dir)},
-        "data": {"batch_size": 16},
-        "optimizer": {"name": "sgd", "lr": 0.1},
-        "training": {"epochs": 2, "log_every": 3},
-        "monitor": {"trackers": []},
-    }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return dtrain.Config.from_dict(raw)
+    return tiny.job_config(
+        run_dir, {**tiny.SMALL, "training": {"epochs": 2, "log_every": 3}, "monitor": {"trackers": []}}, sections
+    )
+
+
+model = tiny.small_model
 
 
 def test_evaluate_before_setup_sets_the_run_up_and_evaluates_every_sample(tmp_path):

@@ -40,3 +40,28 @@ def seeded(build: Callable[[], T], seed: int) -> T:
     """`build()` under torch's global seed `seed`: the same initial weights, call after call."""
     torch.manual_seed(seed)
     return build()
+
+
+# --- the small classification job several test modules train ---------------------------------------
+
+IN, HIDDEN, OUT = 12, 32, 3
+SMALL = {
+    "data": {"batch_size": 16},
+    "optimizer": {"name": "sgd", "lr": 0.1},
+    "training": {"epochs": 2, "log_every": 5},
+}
+
+
+def small_data(n: int = 160, seed: int = 0) -> TensorDataset:
+    """`n` points of IN features, labelled by the largest of their first OUT."""
+    return points(n, IN, seed, lambda x: x[:, :OUT].argmax(1))
+
+
+def small_model() -> torch.nn.Module:
+    return seeded(
+        lambda: torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)), 0
+    )
+
+
+def small_config(run_dir: Path | str, **sections: dict) -> dtrain.Config:
+    return job_config(run_dir, SMALL, sections)
