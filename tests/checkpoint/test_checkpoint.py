@@ -164,7 +164,7 @@ def wait_for(predicate, timeout=TIMEOUT, what="condition"):
 SLOW = ", step_sleep_s = 0.1"  # about 4 s for the 39 steps: long enough to be caught mid-run
 
 
-def start_slow_job(run_dir, *extra, nproc=2):
+def start_slow_job(run_dir, *extra, nproc=2, slow=SLOW):
     return subprocess.Popen(
         [
             sys.executable,
@@ -172,7 +172,7 @@ def start_slow_job(run_dir, *extra, nproc=2):
             "dtrain",
             "run",
             *JOB,
-            MODEL % SLOW,
+            MODEL % slow,
             "--nproc",
             str(nproc),
             f"run.dir={run_dir}",
@@ -505,7 +505,9 @@ def test_a_run_dir_that_cannot_work_is_refused_by_the_launcher(tmp_path, obstacl
 
 
 def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):
-    first = start_slow_job(tmp_path)
+    # Slower steps than the others' (about 40 s in all, stopped by SIGTERM once checked): the second run
+    # must reach the lock while the first still trains, however long its start takes on a busy machine.
+    first = start_slow_job(tmp_path, slow=", step_sleep_s = 1.0")
     try:
         wait_for(lambda: logged_steps(tmp_path) >= 5, what="the first run to start")
         refused(run_job(tmp_path), f"run.dir {tmp_path} is in use by another run (pid")
