@@ -70,10 +70,19 @@ def test_a_part_value_neither_tensor_nor_json_is_refused_at_the_first_save(ema_r
 
 
 def test_a_part_may_not_take_a_name_every_checkpoint_uses(tmp_path):
+    """Refused when registered, before anything is written: a built-in part's or trainer.json's name, a
+    dotted name (its tensors would collide with another part's: `model.0` with the model's), no name."""
     trainer = dtrain.Trainer(_config(tmp_path), model=_model(), train_data=_data())
-    trainer.register_for_checkpointing(step=torch.optim.SGD([torch.zeros(1)]))
-    with pytest.raises(dtrain.DtrainError, match=r"^register_for_checkpointing\(step=...\): every checkpoint holds"):
-        trainer.fit()
+    optimizer = torch.optim.SGD([torch.zeros(1)])
+    for name in ("step", "model", "rng", "model.0", ""):
+        with pytest.raises(
+            dtrain.DtrainError, match=r"^register_for_checkpointing\(.*=...\): a part's name is a plain"
+        ):
+            trainer.register_for_checkpointing(**{name: optimizer})
+    with pytest.raises(dtrain.DtrainError, match=r"got the class SGD, not an object of it"):
+        trainer.register_for_checkpointing(sgd=torch.optim.SGD)
+    assert trainer.checkpoint_parts == {}
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 # --- the format number ------------------------------------------------------------------------------
@@ -169,3 +178,18 @@ def test_a_numbered_trainer_json_is_judged_by_its_number(stopped, tmp_path, chan
         dtrain.Trainer(_config(run_dir), model=_model(), train_data=_data()).fit()
     assert "\n" not in str(caught.value)
     assert re.search(r"trainer.json is not what dtrain writes: " + message, str(caught.value)), str(caught.value)
+
+
+def test_a_trainer_json_whose_format_disagrees_with_its_marker_is_refused(stopped, tmp_path):
+    """A format-3 marker with a trainer.json that states none (resealed after editing) would be read as
+    format 2, whose checkpoints hold no registered parts: refused, not resumed without them."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped / "run", run_dir)
+    folder = run_dir / "checkpoints" / "step-5"
+    _rewrite(folder, lambda t: t.pop("format"), lambda m: None)
+    with pytest.raises(CheckpointError) as caught:
+        dtrain.Trainer(_config(run_dir), model=_model(), train_data=_data()).fit()
+    assert str(caught.value) == (
+        f"{folder / 'trainer.json'} states format none and its marker format 3: one of them was edited; "
+        f"delete {folder} to resume from an earlier checkpoint"
+    )

@@ -102,6 +102,12 @@ def load(folder: Path, parts: Parts) -> Position:
             f"{folder / TRAINER} is not what dtrain writes: {problem}; delete {folder} to "
             f"resume from an earlier checkpoint"
         )
+    marked = _marker_format(folder)
+    if marked is not None and trainer.get("format") != marked:
+        raise CheckpointError(
+            f"{folder / TRAINER} states format {trainer.get('format', 'none')} and its marker format {marked}: "
+            f"one of them was edited; delete {folder} to resume from an earlier checkpoint"
+        )
     if folder.name != f"step-{trainer['step']}":
         raise CheckpointError(
             f"{folder / TRAINER} says step {trainer['step']} and its folder is {folder.name}: it "
@@ -225,6 +231,18 @@ def _header_problem(trainer: Any) -> str | None:
         if lacking:
             return f"it names no {lacking[0]} part"
     return None
+
+
+def _marker_format(folder: Path) -> Any:
+    """The format COMPLETE.json states (None for the formats that state none). The store has read and
+    checked the marker before any resume gets here."""
+    from dtrain.checkpoint.manifest import MARKER
+
+    try:
+        meta = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("format") if isinstance(meta, dict) else None
 
 
 def _held(trainer: dict[str, Any]) -> list[str]:

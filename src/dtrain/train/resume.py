@@ -19,7 +19,7 @@ import torch
 
 from dtrain import distributed, rundir
 from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
-from dtrain.checkpoint.state import processes, regroup
+from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, processes, regroup
 from dtrain.config import Config
 from dtrain.data import TrainBatches
 from dtrain.errors import DtrainError
@@ -180,6 +180,17 @@ def check_stateful(parts: dict[str, Any], set_up: bool) -> None:
             "register_for_checkpointing() after setup(): the run has resumed already; register before setup() or fit()"
         )
     for name, part in parts.items():
+        if not name.isidentifier() or name in BUILT_IN_PARTS or name in HEADER:
+            raise DtrainError(
+                f"register_for_checkpointing({name!r}=...): a part's name is a plain identifier (no dots: the "
+                f"checkpoint's tensors are named <part>.<key>) and not one a checkpoint uses itself "
+                f"({', '.join(BUILT_IN_PARTS)}, step, epoch, ...); choose another name"
+            )
+        if isinstance(part, type):
+            raise DtrainError(
+                f"register_for_checkpointing({name}=...) got the class {part.__name__}, not an object of it; "
+                f"pass the instance whose state to keep"
+            )
         if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
             raise DtrainError(
                 f"register_for_checkpointing({name}=...) needs an object with state_dict() and "
