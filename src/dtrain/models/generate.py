@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dtrain import models
-from dtrain.config import load_config
+from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
 
@@ -34,7 +34,7 @@ def generate(
     for path in (config_file, weights):
         if not path.is_file():
             raise DtrainError(f"{path} does not exist: RUN_DIR must be the run.dir of a finished run")
-    config = load_config(config_file)
+    config, _ = read_config(config_file)  # a renamed key in a config.toml dtrain wrote is not the user's to fix
     if config.data.name != "tokens":
         raise DtrainError(
             f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "

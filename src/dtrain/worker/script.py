@@ -13,10 +13,13 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from dtrain.errors import DtrainError
 from dtrain.worker import as_worker
 
 
 def run_script(argv: Sequence[str]) -> None:
+    if not argv or argv == ["-m"]:
+        raise DtrainError("python -m dtrain.worker.script needs SCRIPT.py [ARGS...] or -m MODULE [ARGS...]")
     as_module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])
     sys.argv = [target, *args]
