@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 
-def run_workers(script: str, *args: str, nproc: int = 2) -> Any:
+def run_workers(script: str, *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> Any:
     """Run `script --out FILE args` in `nproc` workers under torchrun and return the JSON that rank 0
     wrote to FILE. FILE sits in a temporary directory that workers may also use for scratch (run
-    directories); it is removed afterwards. Exits with the workers' output if they fail."""
+    directories); it is removed afterwards. `env` adds to this process's environment (e.g. a
+    PYTHONPATH that selects which dtrain the workers import). Exits with the workers' output if they
+    fail."""
     # The same threads for every variant: the cores split among the processes, as dtrain does.
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -32,7 +34,7 @@ def run_workers(script: str, *args: str, nproc: int = 2) -> Any:
                 str(out),
                 *args,
             ],
-            env={**os.environ, "OMP_NUM_THREADS": threads},
+            env={**os.environ, "OMP_NUM_THREADS": threads, **(env or {})},
             capture_output=True,
             text=True,
         )
