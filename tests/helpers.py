@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -142,3 +144,39 @@ def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> bool:
 
 def unmount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# A wait said out loud (distributed.waiting): the first line 2 s into the wait, then one every
+# WAIT_EVERY s; a test's timeouts are WAIT_TIMEOUT s, so the lines say "giving up in 6, 4, 2 s".
+WAIT_EVERY = 2
+WAIT_TIMEOUT = 8
+WAIT_ENV = {"DTRAIN_WAIT_REPORT_S": str(WAIT_EVERY)}
+
+
+def timed_output(args: list[str], extra_env: dict[str, str] | None = None) -> tuple[int, list[tuple[float, str]]]:
+    """Run `args`; its exit status and every line it wrote (stdout and stderr together), each with the
+    seconds since the start at which it came."""
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    start, lines = time.monotonic(), []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append((time.monotonic() - start, line.rstrip("\n")))
+    return proc.wait(timeout=TIMEOUT), lines
+
+
+def assert_waited_then_gave_up(lines: list[tuple[float, str]], waiting: str, give_up: str) -> None:
+    """The whole output: `waiting` (a regex whose group `left` is the seconds it says are left) 2 s
+    into the wait, again every WAIT_EVERY s, then the one give-up line (a regex) — nothing else."""
+    text = "\n".join(line for _, line in lines)
+    *waits, last = lines
+    assert len(waits) >= 2 and re.fullmatch(give_up, last[1]), text
+    matches = [re.fullmatch(waiting, line) for _, line in waits]
+    assert all(matches), text
+    left = [int(m["left"]) for m in matches if m]
+    # The first line comes 2 s into the wait; each next one WAIT_EVERY s later, by the clock too.
+    assert left[0] in (WAIT_TIMEOUT - 2, WAIT_TIMEOUT - 3), text
+    assert all(a - b in (WAIT_EVERY - 1, WAIT_EVERY, WAIT_EVERY + 1) for a, b in zip(left, left[1:])), text
+    times = [t for t, _ in waits]
+    assert all(WAIT_EVERY - 1 < b - a < WAIT_EVERY + 1.5 for a, b in zip(times, times[1:])), lines

@@ -7,7 +7,23 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TIMEOUT, WORKERS, assert_weights_close, dtrain, env, fake_mnist, ok, run, train_lines, weights
+from helpers import (
+    ROOT,
+    TIMEOUT,
+    WAIT_ENV,
+    WAIT_TIMEOUT,
+    WORKERS,
+    assert_waited_then_gave_up,
+    assert_weights_close,
+    dtrain,
+    env,
+    fake_mnist,
+    ok,
+    run,
+    timed_output,
+    train_lines,
+    weights,
+)
 
 JOB = [
     "examples/digits_mlp.toml",
@@ -207,45 +223,76 @@ def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, messa
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
 def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(tmp_path, address):
-    """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store, says so once, and after
-    distributed.timeout_s gives up in one line: no C++ warnings, nothing written."""
+    """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store: it says so 2 s into the
+    wait, again at a slow pace, and after distributed.timeout_s gives up in one line — the whole
+    output, no C++ warnings, nothing written."""
     port = free_port()
-    result = dtrain(
-        "run",
-        *JOB,
-        f"run.dir={tmp_path / 'run'}",
-        "distributed.timeout_s=5",
-        "distributed.hang_timeout_s=0",
-        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)},
+    code, lines = timed_output(
+        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'run'}"]
+        + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
+        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port), **WAIT_ENV},
     )
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 2, result.stderr
-    assert lines[0] == f"dtrain: waiting for the rendezvous at {address}:{port} (rank 0 serves it) ..."
-    assert lines[1].startswith(f"dtrain: error: nothing answered at {address}:{port} for 5 s (")
-    assert lines[1].endswith("(MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait)")
+    assert code == 2, lines
+    where = re.escape(f"{address}:{port}")
+    assert_waited_then_gave_up(
+        lines,
+        rf"dtrain: waiting for the rendezvous at {where} \(rank 0 serves it; [^)]+\), giving up in "
+        r"(?P<left>\d+) s \(distributed\.timeout_s\)",
+        rf"dtrain: error: nothing answered at {where} for {WAIT_TIMEOUT} s \(.+\): start rank 0 at that "
+        r"address, .*\(MASTER_ADDR and MASTER_PORT set the address, distributed\.timeout_s the wait\)",
+    )
     assert not (tmp_path / "run").exists()
 
 
-def test_a_node_whose_peers_never_come_gives_up_in_one_line(tmp_path):
-    """The first node of --nnodes 2 serves the rendezvous; nobody joins within --rdzv-timeout."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    result = dtrain(
-        "run",
-        *JOB,
-        "--nnodes",
-        "2",
-        "--nproc",
-        "1",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-timeout",
-        "3",
-        f"run.dir={tmp_path / 'run'}",
+def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(tmp_path):
+    """RANK=0 of 2 with no rank 1 (a pod whose peer is still importing torch, or never started): rank 0
+    waits inside init_process_group, says so after a few seconds and at a slow pace, then gives up in
+    one line with torch's count — no traceback."""
+    port = free_port()
+    code, lines = timed_output(
+        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'run'}"]
+        + [f"distributed.timeout_s={WAIT_TIMEOUT + 3}", "distributed.hang_timeout_s=0"],
+        extra_env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **WAIT_ENV},
     )
-    assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
-        f"dtrain: error: not enough nodes joined the rendezvous at {endpoint} within 3 s (--nnodes 2): start the "
-        f"job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout"
-    ], result.stderr
+    assert code == 2, lines
+    text = "\n".join(line for _, line in lines)
+    *waits, last = [line for _, line in lines]
+    found = [
+        re.fullmatch(
+            rf"dtrain: rank 0: waiting for the other ranks to join at 127\.0\.0\.1:{port} \(2 in all\), "
+            r"giving up in (\d+) s \(distributed\.timeout_s\)",
+            line,
+        )
+        for line in waits
+    ]
+    assert len(waits) >= 2 and all(found), text
+    # The first line 5 s into the wait (ranks started together meet sooner), then every WAIT_EVERY s.
+    left = [int(m[1]) for m in found if m]
+    assert left[0] in (WAIT_TIMEOUT - 2, WAIT_TIMEOUT - 3) and all(a - b in (1, 2, 3) for a, b in zip(left, left[1:]))
+    assert re.fullmatch(
+        rf"dtrain: error: rank 0: the 2 ranks did not meet at 127\.0\.0\.1:{port} within {WAIT_TIMEOUT + 3} s "
+        r"\(.*1/2 clients joined\): start every rank, or raise distributed\.timeout_s",
+        last,
+    ), text
+
+
+def test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line(tmp_path):
+    """The first node of --nnodes 2 serves the rendezvous and nobody joins: 2 s into the wait it says
+    how many nodes it waits for, again at a slow pace, and after --rdzv-timeout gives up in one line."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    code, lines = timed_output(
+        [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint]
+        + ["--rdzv-timeout", str(WAIT_TIMEOUT), f"run.dir={tmp_path / 'run'}"],
+        extra_env=WAIT_ENV,
+    )
+    assert code == 2, lines
+    where = re.escape(endpoint)
+    assert_waited_then_gave_up(
+        lines,
+        rf"dtrain: waiting for 1 more node at {where} \(--nnodes 2\), giving up in (?P<left>\d+) s \(--rdzv-timeout\)",
+        rf"dtrain: error: not enough nodes joined the rendezvous at {where} within {WAIT_TIMEOUT} s \(--nnodes 2\): "
+        r"start the job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout",
+    )
 
 
 def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from dtrain.config import DistributedConfig
 from dtrain.distributed.env import DistEnv, detect_env
 from dtrain.distributed.lifecycle import die_with_the_launcher
+from dtrain.distributed.waiting import WaitReport
 from dtrain.errors import ConfigError, EnvironmentProblem
 
 # --- backend and device ---------------------------------------------------------------------------
@@ -90,6 +92,10 @@ def available_cores() -> int:
 
 # --- the process group ----------------------------------------------------------------------------
 
+# Ranks started together meet within a second or two (each imports torch first); a rank 0 still
+# waiting after this long waits for something.
+JOIN_FIRST_LINE_S = 5.0
+
 
 @dataclass
 class Session:
@@ -157,18 +163,47 @@ def start(
             ("LOCAL_WORLD_SIZE", env.local_world_size),
         ):
             os.environ.setdefault(name, str(value))
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=config.timeout_s),
-        # Binding the device up front lets nccl create its communicator eagerly and correctly.
-        device_id=device if backend == "nccl" else None,
-    )
+    where = f"{env.master_addr}:{env.master_port}" if init_method == "env://" else init_method
+    try:
+        with _joining_report(env, where, config.timeout_s):
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=config.timeout_s),
+                # Binding the device up front lets nccl create its communicator eagerly and correctly.
+                device_id=device if backend == "nccl" else None,
+            )
+    except dist.DistStoreError as exc:  # torch's own words ("1/2 clients joined"), in one line
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise EnvironmentProblem(
+            f"rank {env.rank}: the {env.world_size} ranks did not meet at {where} within "
+            f"{config.timeout_s:g} s ({said}): start every rank, or raise distributed.timeout_s"
+        ) from None
     if backend == "gloo":
         _let_gloo_settle_at_exit()
     return Session(env, backend, device, owns_group=True)
+
+
+def _joining_report(env: DistEnv, where: str, timeout_s: float) -> WaitReport | contextlib.nullcontext:
+    """Rank 0 says, once a few seconds went by, that it waits for the others (one of them may still be
+    importing torch, or never started); the other ranks stay quiet so the node says it once. torch
+    keeps the count of ranks joined inside its store, out of reach until it gives up."""
+    if env.rank != 0:
+        return contextlib.nullcontext()
+    deadline = time.monotonic() + timeout_s
+
+    def line() -> str:
+        left = deadline - time.monotonic()
+        if left < 1:  # torch gives up a moment after the deadline, and says so
+            return ""
+        return (
+            f"rank 0: waiting for the other ranks to join at {where} ({env.world_size} in all), "
+            f"giving up in {left:.0f} s (distributed.timeout_s)"
+        )
+
+    return WaitReport(line, first_s=JOIN_FIRST_LINE_S)
 
 
 def stop(session: Session, together: bool = False) -> None:

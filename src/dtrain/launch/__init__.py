@@ -6,6 +6,7 @@ sensible thread count, runs the elastic agent, and turns a failed group into one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dtrain import distributed
 from dtrain.distributed import netaddr
+from dtrain.distributed.waiting import WaitReport
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 
 if TYPE_CHECKING:
@@ -117,33 +119,48 @@ def torchrun_args(
 
 
 class _Wait:
-    """Waiting for the rendezvous endpoint until a deadline: said once, given up in one line. `server`
-    is who serves the endpoint; `knobs` what sets the address and the wait."""
+    """Waiting for the rendezvous endpoint until a deadline: said after a moment and then at a slow
+    pace (`WaitReport`), given up in one line. `server` is who serves the endpoint; `knob` what sets
+    the wait, `knobs` what sets the address and the wait."""
 
     def __init__(
-        self, endpoint: str, timeout: float, server: str = "the first node", knobs: str = "--rdzv-timeout sets the wait"
+        self,
+        endpoint: str,
+        timeout: float,
+        server: str = "the first node",
+        knob: str = "--rdzv-timeout",
+        knobs: str = "--rdzv-timeout sets the wait",
     ):
-        self.endpoint, self.timeout, self.server, self.knobs = endpoint, timeout, server, knobs
+        self.endpoint, self.timeout, self.server, self.knob, self.knobs = endpoint, timeout, server, knob, knobs
         self.deadline = time.monotonic() + timeout
-        self._said = False
+        self.reason = ""
+        self._report = WaitReport(self._line)
+
+    def _line(self) -> str:
+        left = self.deadline - time.monotonic()
+        if left < 1:  # the give-up line is due
+            return ""
+        return (
+            f"waiting for the rendezvous at {self.endpoint} ({self.server} serves it; {self.reason}), "
+            f"giving up in {left:.0f} s ({self.knob})"
+        )
 
     def again(self, reason: str) -> None:
-        """Say so (the first time) and sleep a little; or give up, past the deadline."""
+        """Note why the wait goes on and sleep a little; or give up, past the deadline."""
+        self.reason = reason
         if time.monotonic() >= self.deadline:
+            self.over()
             start = "the job on the node" if self.server == "the first node" else self.server
             raise EnvironmentProblem(
                 f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
                 f"{start} at that address, or check the address, the port and the firewall "
                 f"({self.knobs})"
             )
-        if not self._said:
-            print(
-                f"dtrain: waiting for the rendezvous at {self.endpoint} ({self.server} serves it) ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            self._said = True
+        self._report.start()
         time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
+
+    def over(self) -> None:
+        self._report.stop()
 
 
 def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool]:
@@ -192,14 +209,70 @@ def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
     """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
     waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
     if env.world_size > 1 and env.rank != 0:
-        wait_for_endpoint(
-            _Wait(
-                f"{env.master_addr}:{env.master_port}",
-                timeout,
-                server="rank 0",
-                knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
-            )
+        wait = _Wait(
+            f"{env.master_addr}:{env.master_port}",
+            timeout,
+            server="rank 0",
+            knob="distributed.timeout_s",
+            knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
         )
+        try:
+            wait_for_endpoint(wait)
+        finally:
+            wait.over()
+
+
+def _peers_report(spec: LaunchSpec) -> WaitReport | contextlib.nullcontext:
+    """While torchrun's c10d rendezvous waits for the other nodes (in C++, silent), say how many are
+    still missing, read from the rendezvous state in the store at the endpoint; over once the group
+    formed. The static rendezvous (--node-rank) waits in the workers instead (`distributed.start`)."""
+    if not spec.multi_node or spec.node_rank is not None or not spec.rdzv_endpoint:
+        return contextlib.nullcontext()
+    endpoint, deadline = spec.rdzv_endpoint, time.monotonic() + spec.rdzv_timeout
+
+    def line() -> str | None:
+        joined = _rendezvous_joined(endpoint, spec.rdzv_id)
+        if joined is True:
+            return None  # the group formed: the workers start
+        if deadline - time.monotonic() < 1:  # torch gives up a moment after the deadline, and says so
+            return ""
+        left = f"giving up in {deadline - time.monotonic():.0f} s (--rdzv-timeout)"
+        if joined is None:  # the state cannot be read: say what is known
+            return f"waiting for the other nodes at {endpoint} (--nnodes {spec.nnodes}), {left}"
+        missing = spec.min_nodes - joined
+        if missing <= 0:
+            return ""  # enough nodes: an elastic range waits a last call for more, then starts
+        nodes = f"{missing} more node{'s' if missing > 1 else ''}"
+        return f"waiting for {nodes} at {endpoint} (--nnodes {spec.nnodes}), {left}"
+
+    return WaitReport(line)
+
+
+def _rendezvous_joined(endpoint: str, run_id: str) -> int | bool | None:
+    """How many nodes have joined the c10d rendezvous `run_id` at `endpoint` so far; True once it is
+    complete; None when its state cannot be read. The state is the one torch's C10dRendezvousBackend
+    keeps in the store: a pickled _RendezvousState, base64-encoded, under torch.rendezvous.RUN_ID."""
+    import datetime
+    import pickle
+    from base64 import b64decode
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    key = f"torch.rendezvous.{run_id}"
+    try:
+        store = TCPStore(
+            host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+        )
+        if not store.check([key]):
+            return 0
+        raw = store.get(key)
+        if raw == b"Y2FuaW1hZGFt":  # the backend's "no state yet"
+            return 0
+        state = pickle.loads(b64decode(raw))
+    except Exception:  # any failure: the count is unknown, not fatal
+        return None
+    return True if state.complete else len(state.participants)
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
@@ -218,18 +291,23 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     wait = _Wait(spec.rdzv_endpoint, spec.rdzv_timeout) if spec.rdzv_endpoint else None
-    local_addr, is_host = _own_address(spec, wait)
-    if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = netaddr.interface_of(local_addr)
-        if interface:  # gloo would otherwise bind whatever the hostname resolves to
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-    serves_endpoint = is_host if spec.node_rank is None else spec.node_rank == 0
-    if wait and not serves_endpoint:
-        wait_for_endpoint(wait)
+    try:
+        local_addr, is_host = _own_address(spec, wait)
+        if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = netaddr.interface_of(local_addr)
+            if interface:  # gloo would otherwise bind whatever the hostname resolves to
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        serves_endpoint = is_host if spec.node_rank is None else spec.node_rank == 0
+        if wait and not serves_endpoint:
+            wait_for_endpoint(wait)
+    finally:
+        if wait:
+            wait.over()
     _quiet_elastic_logs()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
-        run(args)
+        with _peers_report(spec):  # over before any line below: the give-up line comes last
+            run(args)
         return 0
     except ChildFailedError as exc:
         return _print_first_failure(exc)
