@@ -122,6 +122,15 @@ BREAKAGES = {
         ],
         ["tests/train/test_step_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
     ),
+    "wait_unsaid": (
+        "the waiting line: a node that waits (peers, endpoint, rank 0) says nothing until it gives up",
+        [("src/dtrain/distributed/waiting.py", "            self._thread.start()\n", "            pass\n")],
+        [
+            "tests/launch/test_launchers.py::test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line",
+            "tests/launch/test_launchers.py::test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line",
+            "tests/launch/test_launchers.py::test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line",
+        ],
+    ),
 }
 
 
