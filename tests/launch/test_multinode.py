@@ -261,6 +261,56 @@ def test_an_endpoint_whose_name_does_not_resolve_yet_is_waited_for_too(tmp_path)
         ), refused.stderr
 
 
+@pytest.mark.parametrize(
+    "endpoint, reason",
+    [
+        ("0.0.0.0:29500", "0.0.0.0 is the unspecified address, never a node's address"),
+        ("224.0.0.1:29500", "224.0.0.1 is a multicast address, never a node's address"),
+        ("255.255.255.255:29500", "255.255.255.255 is a reserved address, never a node's address"),
+    ],
+)
+def test_an_endpoint_no_node_can_have_is_refused_at_once(tmp_path, endpoint, reason):
+    """A wait that cannot end is not begun: an address no interface holds is refused in one line."""
+    start = time.monotonic()
+    result = run(
+        [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--rdzv-endpoint", endpoint]
+        + ["--rdzv-timeout", "20", f"run.dir={tmp_path}"],
+        extra_env=WAIT_ENV,
+    )
+    assert result.returncode == 2 and (result.stdout + result.stderr).splitlines() == [
+        f"dtrain: error: --rdzv-endpoint {endpoint} cannot be reached from this node ({reason}): give an "
+        "address of the first node that every node can reach"
+    ], result.stderr
+    assert time.monotonic() - start < 60  # no wait: the torch import is all it takes
+
+
+def test_an_endpoint_this_node_has_no_route_to_is_refused_at_once(nodes, tmp_path):
+    """node1's namespace routes only its own subnet: an endpoint elsewhere can never answer."""
+    result = run(
+        ["ip", "netns", "exec", nodes[1][0], sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2"]
+        + ["--rdzv-endpoint", "10.99.0.1:29500", "--rdzv-timeout", "20", f"run.dir={tmp_path}"],
+        extra_env=WAIT_ENV,
+    )
+    assert result.returncode == 2 and (result.stdout + result.stderr).splitlines() == [
+        "dtrain: error: --rdzv-endpoint 10.99.0.1:29500 cannot be reached from this node (Network is "
+        "unreachable): give an address of the first node that every node can reach"
+    ], result.stderr
+
+
+def test_more_nodes_than_the_slurm_job_has_are_refused_at_once(tmp_path):
+    """Under SLURM the nodes that can come are SLURM_NNODES: asking for more would wait for nothing."""
+    result = run(
+        [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "3", "--rdzv-endpoint", "127.0.0.1:29500"]
+        + [f"run.dir={tmp_path}"],
+        extra_env={"SLURM_NNODES": "2", "SLURM_JOB_ID": "7"},
+    )
+    assert result.returncode == 2 and (result.stdout + result.stderr).splitlines() == [
+        "dtrain: error: --nnodes 3 needs 3 nodes and this SLURM job has SLURM_NNODES=2: use --nnodes 2 or "
+        "fewer, or ask SLURM for more nodes"
+    ], result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 GPT_JOB = [
     "examples/gpt_stdlib.toml",
     "data.block_size=16",

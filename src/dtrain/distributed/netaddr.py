@@ -8,7 +8,9 @@ The address this node uses to reach the endpoint is the one the others can reach
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import ipaddress
 import socket
 import struct
 
@@ -44,7 +46,22 @@ def interface_of(address: str) -> str | None:
 
 
 def node_address(endpoint_host: str) -> tuple[str, bool]:
-    """(this node's address toward the endpoint, whether the endpoint is this node)."""
+    """(this node's address toward the endpoint, whether the endpoint is this node). OSError when no
+    node could ever serve the endpoint: an address no interface can hold, or no route to it."""
     target = resolve(endpoint_host)
+    kind = _never_a_node(target)
+    if kind:  # the kernel would route some of these (0.0.0.0 to this node): a wait with no end
+        raise OSError(errno.EADDRNOTAVAIL, f"{target} is {kind}, never a node's address")
     local = address_toward(target)
     return local, target == local or target in interface_addresses().values()
+
+
+def _never_a_node(address: str) -> str | None:
+    ip = ipaddress.ip_address(address)
+    if ip.is_unspecified:
+        return "the unspecified address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip.is_reserved:  # 240.0.0.0/4, the broadcast address among them
+        return "a reserved address"
+    return None

@@ -77,6 +77,13 @@ class LaunchSpec:
             raise ConfigError(f"--rdzv-endpoint must be HOST:PORT; got '{self.rdzv_endpoint}'")
         if self.node_rank is not None and not 0 <= self.node_rank < self.min_nodes:
             raise ConfigError(f"--node-rank must be in 0..{self.min_nodes - 1}; got {self.node_rank}")
+        slurm_nodes = os.environ.get("SLURM_NNODES", "")
+        if slurm_nodes.isdigit() and self.min_nodes > int(slurm_nodes):
+            # The missing nodes can never come: the rendezvous would wait --rdzv-timeout for nothing.
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs {self.min_nodes} nodes and this SLURM job has "
+                f"SLURM_NNODES={slurm_nodes}: use --nnodes {slurm_nodes} or fewer, or ask SLURM for more nodes"
+            )
 
 
 def _is_host_port(value: str) -> bool:
@@ -176,9 +183,10 @@ def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool
         except socket.gaierror as exc:
             wait.again(f"{host} does not resolve: {exc.strerror}")
         except OSError as exc:
+            # No route, or no node could have the address: no wait would ever end.
             raise EnvironmentProblem(
-                f"--rdzv-endpoint {spec.rdzv_endpoint}: no route to {host} from this node "
-                f"({exc.strerror or exc}); check the address and this node's network"
+                f"--rdzv-endpoint {spec.rdzv_endpoint} cannot be reached from this node "
+                f"({exc.strerror or exc}): give an address of the first node that every node can reach"
             ) from None
     if spec.local_addr:
         try:
