@@ -11,6 +11,7 @@ from helpers import (
     ROOT,
     TIMEOUT,
     WAIT_ENV,
+    WAIT_EVERY,
     WAIT_TIMEOUT,
     WORKERS,
     assert_waited_then_gave_up,
@@ -276,23 +277,61 @@ def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one
     ), text
 
 
-def test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line(tmp_path):
+@pytest.mark.parametrize("static", [False, True], ids=["c10d", "static"])
+def test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line(tmp_path, static):
     """The first node of --nnodes 2 serves the rendezvous and nobody joins: 2 s into the wait it says
-    how many nodes it waits for, again at a slow pace, and after --rdzv-timeout gives up in one line."""
+    what it waits for (under c10d how many nodes; --node-rank 0's store keeps its count out of reach),
+    again at a slow pace, and after --rdzv-timeout gives up in one line."""
     endpoint = f"127.0.0.1:{free_port()}"
     code, lines = timed_output(
         [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint]
-        + ["--rdzv-timeout", str(WAIT_TIMEOUT), f"run.dir={tmp_path / 'run'}"],
+        + ["--rdzv-timeout", str(WAIT_TIMEOUT), f"run.dir={tmp_path / 'run'}"]
+        + (["--node-rank", "0"] if static else []),
         extra_env=WAIT_ENV,
     )
     assert code == 2, lines
     where = re.escape(endpoint)
+    what = "the other nodes" if static else "1 more node"
     assert_waited_then_gave_up(
         lines,
-        rf"dtrain: waiting for 1 more node at {where} \(--nnodes 2\), giving up in (?P<left>\d+) s \(--rdzv-timeout\)",
+        rf"dtrain: waiting for {what} at {where} \(--nnodes 2\), giving up in (?P<left>\d+) s \(--rdzv-timeout\)",
         rf"dtrain: error: not enough nodes joined the rendezvous at {where} within {WAIT_TIMEOUT} s \(--nnodes 2\): "
         r"start the job on the other nodes with the same --rdzv-endpoint, or raise --rdzv-timeout",
     )
+
+
+def test_static_node_0_says_it_waits_until_node_1_comes_then_no_more():
+    """--node-rank 0 of 2 (torchrun's static rendezvous) waits inside its store for node 1: it says so
+    2 s in and at a slow pace; node 1 started after that line joins, and once the workers run (they
+    say so, then work for a while) nothing more is said about waiting."""
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(rank):
+        return subprocess.Popen(
+            [sys.executable, "-m", "dtrain", "launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc", "1"]
+            + ["--rdzv-endpoint", endpoint, str(WORKERS / "slow_start.py"), str(3 * WAIT_EVERY)],
+            cwd=ROOT,
+            env=env(**WAIT_ENV),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = node(0)
+    lines = [first.stdout.readline().rstrip("\n")]
+    assert re.fullmatch(
+        rf"dtrain: waiting for the other nodes at {re.escape(endpoint)} \(--nnodes 2\), giving up in "
+        r"(598|597) s \(--rdzv-timeout\)",
+        lines[0],
+    ), lines
+    second = node(1)
+    lines += first.communicate(timeout=TIMEOUT)[0].splitlines()
+    out_second = second.communicate(timeout=TIMEOUT)[0]
+    assert first.returncode == 0 and second.returncode == 0, (lines, out_second)
+    started = lines.index("worker started")
+    assert all(line.startswith("dtrain: waiting for the other nodes") for line in lines[:started]), lines
+    assert lines[started:] == ["worker started"], lines  # three report periods of work: not a word
+    assert out_second.splitlines() == ["worker started"], out_second
 
 
 def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):

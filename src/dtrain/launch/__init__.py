@@ -110,6 +110,7 @@ def torchrun_args(
             f"--node-rank={spec.node_rank}",
             f"--master-addr={host}",
             f"--master-port={port}",
+            f"--rdzv-conf=timeout={int(spec.rdzv_timeout)}",  # node 0's store waits this long for the others
         ]
     else:
         args += [
@@ -231,15 +232,19 @@ def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
 
 
 def _peers_report(spec: LaunchSpec) -> WaitReport | contextlib.nullcontext:
-    """While torchrun's c10d rendezvous waits for the other nodes (in C++, silent), say how many are
-    still missing, read from the rendezvous state in the store at the endpoint; over once the group
-    formed. The static rendezvous (--node-rank) waits in the workers instead (`distributed.start`)."""
-    if not spec.multi_node or spec.node_rank is not None or not spec.rdzv_endpoint:
+    """While torchrun's rendezvous waits for the other nodes (in C++, silent), say so: under c10d how
+    many are still missing, read from the rendezvous state in the store at the endpoint; under the
+    static rendezvous (--node-rank) node 0's store counts them out of reach, so only that it waits.
+    Over once the group formed. A static node other than 0 only connects, waited for beforehand."""
+    if not spec.multi_node or spec.node_rank not in (None, 0) or not spec.rdzv_endpoint:
         return contextlib.nullcontext()
     endpoint, deadline = spec.rdzv_endpoint, time.monotonic() + spec.rdzv_timeout
 
     def line() -> str | None:
-        joined = _rendezvous_joined(endpoint, spec.rdzv_id)
+        if spec.node_rank is None:
+            joined = _rendezvous_joined(endpoint, spec.rdzv_id)
+        else:
+            joined = True if _workers_started() else None
         if joined is True:
             return None  # the group formed: the workers start
         if deadline - time.monotonic() < 1:  # torch gives up a moment after the deadline, and says so
@@ -254,6 +259,19 @@ def _peers_report(spec: LaunchSpec) -> WaitReport | contextlib.nullcontext:
         return f"waiting for {nodes} at {endpoint} (--nnodes {spec.nnodes}), {left}"
 
     return WaitReport(line)
+
+
+def _workers_started() -> bool:
+    """Whether this launcher has a child process yet: torchrun starts the workers once the group formed."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:  # "PID (COMM) STATE PPID ..."
+                if entry.name.isdigit() and stat.read().rpartition(")")[2].split()[1] == me:
+                    return True
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not a process
+    return False
 
 
 def _rendezvous_joined(endpoint: str, run_id: str) -> int | bool | None:
@@ -285,6 +303,7 @@ def _rendezvous_joined(endpoint: str, run_id: str) -> int | bool | None:
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
     """Run `entry` in `spec.nproc` workers per node under torchrun; the job's exit status."""
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
@@ -322,7 +341,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     except SignalException as exc:
         # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
         return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
-    except RendezvousTimeoutError:
+    except (RendezvousTimeoutError, DistStoreError):  # DistStoreError: the static store's own wait
         print(
             f"dtrain: error: not enough nodes joined the rendezvous at {spec.rdzv_endpoint} within "
             f"{spec.rdzv_timeout:g} s (--nnodes {spec.nnodes}): start the job on the other nodes with the same "
