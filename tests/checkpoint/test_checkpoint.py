@@ -435,6 +435,43 @@ def test_slow_steps_agree_on_sigterm_within_the_grace_between_log_steps(tmp_path
     assert f"stopped by SIGTERM at step {complete[0].step}" in err
 
 
+def test_steps_that_slow_down_later_are_agreed_on_within_the_grace(tmp_path):
+    """Steps fast at first (the pace agreed at step 2 leaves log steps as the only agreement), 0.5 s
+    each from step 3 on; training.log_every = 10 and checkpoint.preempt_grace_s = 4. The log step at 10
+    re-agrees the pace from its window (a stop every 2 steps: grace / 4 of them), so SIGTERM after it is
+    acted on within 2 steps, not at the next log step (20, up to 5 s later: past the grace)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *JOB,
+            MODEL % ", step_sleep_s = 0.5, slow_from_forward = 3",
+            "--nproc",
+            "2",
+            f"run.dir={tmp_path}",
+            "training.log_every=10",
+            "checkpoint.preempt_grace_s=4",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: logged_steps(tmp_path) >= 1, what="the log step at 10")
+    at = logged_steps(tmp_path)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    assert time.monotonic() - start < 4, err  # within the grace
+    complete = CheckpointStore(tmp_path).complete()
+    assert len(complete) == 1 and 10 < complete[0].step <= 13, (at, complete, err)
+    assert f"stopped by SIGTERM at step {complete[0].step}" in err
+
+
 def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
     """Steps of 5 s and checkpoint.preempt_grace_s = 1: torchrun does not wait for the step (and its
     checkpoint) to finish, it kills the workers when the grace ends."""

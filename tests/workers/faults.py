@@ -25,6 +25,7 @@ class DyingMLP(nn.Module):
         note="",
         step_sleep_s=0.0,
         slow_rank=-1,
+        slow_from_forward=0,
         stall_at_forward=0,
         stall_rank=-1,
         oom_at_forward=0,
@@ -44,6 +45,7 @@ class DyingMLP(nn.Module):
         self.forwards = 0
         self.step_sleep_s = step_sleep_s  # slows training down (same numbers) so a test can catch it
         self.slow_rank = slow_rank  # only this rank sleeps (-1: every rank)
+        self.slow_from = slow_from_forward  # steps slow down from this forward pass on (0: from the first)
         self.stall_at, self.stall_rank = stall_at_forward, stall_rank
         self.oom_at = oom_at_forward
         self.oom_gib = oom_gib  # > 0: really allocate this much on the device (a GPU's true OOM)
@@ -63,7 +65,7 @@ class DyingMLP(nn.Module):
                 if self.oom_gib:
                     torch.empty(int(self.oom_gib * 2**30), dtype=torch.uint8, device=x.device)
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            if self.slow_rank in (-1, rank):
+            if self.slow_rank in (-1, rank) and self.forwards >= self.slow_from:
                 time.sleep(self.step_sleep_s)
         return self.net(x)
 

@@ -1,9 +1,9 @@
 """SIGTERM (a scheduler preempting the job) asks the run to stop at the next point the ranks agree on.
 
 The handler only sets a flag: the step in flight finishes, the ranks agree at the next logging
-all-reduce (every `training.log_every` steps, sooner where steps are slow: StopAgreement.pace; every
-step in a one-process run), write one checkpoint and exit with EXIT_REQUEUE. `training.stop_at_step`
-stops a run at a planned step instead (StopAgreement.step_reached).
+all-reduce (every `training.log_every` steps, sooner where steps are slow: StopAgreement.pace, agreed
+again at every log step; every step in a one-process run), write one checkpoint and exit with
+EXIT_REQUEUE. `training.stop_at_step` stops a run at a planned step instead (StopAgreement.step_reached).
 """
 
 from __future__ import annotations
@@ -69,15 +69,26 @@ class StopAgreement:
     def pace(self, seconds: float) -> None:
         """After SIGTERM the ranks must agree to stop, and write the checkpoint, within
         `checkpoint.preempt_grace_s`. They agree at log steps; where `training.log_every` steps of this
-        run's pace (the slowest rank's second step, agreed once: a collective) would take more than a
-        quarter of that grace, they also agree every so many steps between — one tiny gather per that
-        many slow steps. Fast steps keep log steps as the only agreement."""
-        log_every = self.training.log_every
-        if self.world_size == 1 or log_every == 1:
-            return
-        slowest = max(distributed.gather_objects(seconds))
-        affordable = int(self.checkpoint.preempt_grace_s / 4 / max(slowest, 1e-6))
-        self.check_every = max(1, min(log_every, affordable))
+        run's pace (first the slowest rank's second step, agreed here: a collective; then each logged
+        window's, see repace) would take more than a quarter of that grace, they also agree every so
+        many steps between — one tiny gather per that many slow steps. Fast steps keep log steps as the
+        only agreement."""
+        if self.world_size > 1 and self.training.log_every > 1:
+            self._keep_pace(max(distributed.gather_objects(seconds)))
+
+    def repace(self, record: dict) -> None:
+        """At a log step, the pace agreed again from the window just logged, so that steps that slow down
+        later in a run (longer sequences, a slower node, a busier disk) are agreed on often enough from
+        the next window on, and steps that sped up less often. The record's step time came out of the
+        log step's gather and is the same on every rank: every rank takes the same decision here
+        without a collective of its own. (Without `monitor.breakdown` there is none: the pace stays.)"""
+        step_ms = record.get("step_ms")
+        if self.world_size > 1 and self.training.log_every > 1 and isinstance(step_ms, float):
+            self._keep_pace(step_ms / 1000)
+
+    def _keep_pace(self, seconds: float) -> None:
+        affordable = int(self.checkpoint.preempt_grace_s / 4 / max(seconds, 1e-6))
+        self.check_every = max(1, min(self.training.log_every, affordable))
 
     def preempted(self, step: int, checkpoints: Path) -> Preempted:
         return Preempted(

@@ -229,9 +229,9 @@ class Trainer:
             self.monitor.advance()
             if self.step == first_step + 2:  # the first step compiles and warms up: the second is typical
                 stopping.pace(time.perf_counter() - began)
-            # A log step's gather carries every rank's stop request (SIGTERM), so that all agree to stop.
-            if self.step % self.config.training.log_every == 0 or self.step == total:
+            if self.step % self.config.training.log_every == 0 or self.step == total:  # gathers every SIGTERM
                 last, preempted = self._log_train(stopping.request.requested)
+                stopping.repace(last)  # the window's step time, the same on every rank: the pace again
             else:
                 preempted = stopping.between_log_steps(self.step)
             preempted, planned_stop = preempted and self.step < total, stopping.step_reached(self.step, total)
