@@ -82,6 +82,34 @@ def test_fsdp_communication_reads_not_measured_rather_than_zero(fsdp):
     assert (out / "fsdp_plain" / "report" / "step_time.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("name, ddp_steps", [("ddp_then_fsdp", [1, 2, 3, 4]), ("fsdp_then_ddp", [5, 6, 7, 8])])
+def test_report_of_a_run_resumed_under_another_strategy_plots_comm_where_it_was_measured(fsdp, name, ddp_steps):
+    """A run trained under one strategy and resumed under the other into the same run.dir: its
+    metrics.jsonl has windows with comm_ms (DDP) and without (FSDP: inside compute). `dtrain report`'s
+    step-time plot draws communication over the DDP windows, and over the FSDP ones no communication
+    band (not a zero one) but compute marked as holding it; the other phases over all of them."""
+    from dtrain.commands.report import build_figures, load_records, summary
+
+    out, _, _ = fsdp
+    train = train_lines(out / name)
+    assert [m["step"] for m in train] == list(range(1, 9))
+    assert [m["step"] for m in train if "comm_ms" in m] == ddp_steps
+    figure = build_figures(load_records(out / name))["step_time"]
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for band in figure.axes[0].collections:
+        xs = band.get_paths()[0].vertices[:, 0]
+        spans.setdefault(band.get_gid(), []).append((xs.min(), xs.max()))
+    # The second stretch starts where the first ended: its first window covers the steps in between.
+    ddp, fsdp = ((1, 4), (4, 8)) if ddp_steps[0] == 1 else ((4, 8), (1, 4))
+    assert spans["comm"] == [ddp]
+    assert sorted(spans["compute"]) == sorted([ddp, fsdp])
+    assert sorted(spans["data"]) == sorted(spans["optimizer"]) == sorted([ddp, fsdp])
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert legend.count("comm") == 1 and "compute (comm inside)" in legend
+    measured = sum(step > 1 for step in ddp_steps)  # the summary leaves the first window out: warm-up
+    assert f"(in the {measured} of 7 logged windows that measured it" in summary(load_records(out / name))
+
+
 def test_fsdp_resumes_bitwise(fsdp):
     out, _, _ = fsdp
     assert [m["loss"] for m in train_lines(out / "parted")] == [m["loss"] for m in train_lines(out / "fsdp_plain")]

@@ -94,6 +94,11 @@ def main(mode: str, out: Path) -> None:
         train(out / "ddp_compiled", "ddp", compile="model")
         train(out / "parted", sharded, stop_at_step=3)
         train(out / "parted", sharded)  # resumes from step-3
+        # One run.dir, two strategies: DDP to step 4, resumed under FSDP to the end (and the reverse).
+        train(out / "ddp_then_fsdp", "ddp", stop_at_step=4)
+        train(out / "ddp_then_fsdp", sharded)
+        train(out / "fsdp_then_ddp", sharded, stop_at_step=4)
+        train(out / "fsdp_then_ddp", "ddp")
         for name, units in (
             ("bad_units", ["Nowhere"]),
             ("tied_units", ["Linear"]),

@@ -9,6 +9,7 @@ summary.txt      final metrics, mean throughput, communication share, stragglers
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -149,8 +150,7 @@ def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     timed = [r for r in train if "step_ms" in r]
     if timed:
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        phases = _measured_phases(timed)
-        ax.stackplot([r["step"] for r in timed], *[[r[f"{p}_ms"] for r in timed] for p in phases], labels=phases)
+        _stack_phases(ax, timed)
         ax.plot([r["step"] for r in timed], [r["step_ms"] for r in timed], "k--", label="step (wall)")
         ax.set_xlabel("step")
         ax.set_ylabel("ms per step")
@@ -189,9 +189,33 @@ def build_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
-def _measured_phases(timed: list[dict[str, Any]]) -> list[str]:
-    """The phases every timed record has (under FSDP, communication is not told apart from compute)."""
-    return [p for p in PHASES if all(f"{p}_ms" in r for r in timed)]
+def _stack_phases(ax: Any, timed: list[dict[str, Any]]) -> None:
+    """The phases stacked, one stack per stretch of windows that measured the same phases. A run resumed
+    under another strategy into the same run.dir has windows with communication measured (DDP) and
+    windows where it ran inside compute (FSDP): each shows what it measured, and communication is
+    neither dropped from the DDP windows nor drawn as zero in the others. A stretch after the first
+    starts at the step where the one before ended: its first window covers the steps in between."""
+    colours = {p: f"C{i}" for i, p in enumerate(PHASES)}
+    labelled: set[str] = set()
+    start: int | None = None
+    for phases, group in itertools.groupby(timed, key=lambda r: tuple(p for p in PHASES if f"{p}_ms" in r)):
+        stretch = list(group)
+        steps = [r["step"] for r in stretch]
+        values = [[r[f"{p}_ms"] for r in stretch] for p in phases]
+        if start is not None:
+            steps, values = [start, *steps], [[v[0], *v] for v in values]
+        labels = [p if p != "compute" or "comm" in phases else "compute (comm inside)" for p in phases]
+        bands = ax.stackplot(
+            steps,
+            *values,
+            colors=[colours[p] for p in phases],
+            hatch=[None if label != "compute (comm inside)" else "//" for label in labels],
+            labels=[label if label not in labelled else "_nolegend_" for label in labels],
+        )
+        for band, phase in zip(bands, phases):
+            band.set_gid(phase)  # which phase a band is, for whoever reads the figure
+        labelled.update(labels)
+        start = stretch[-1]["step"]
 
 
 def summary(records: list[dict[str, Any]]) -> str:
