@@ -147,7 +147,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(reference, tmp_p
         )
     )
     # The restarted group's own line (a first attempt never prints one): it continued from step 20.
-    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), (
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 2 of 3\)$", result.stderr, re.M), (
         result.stderr
     )
     assert_same_weights(reference, tmp_path)
@@ -251,7 +251,7 @@ def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(r
             model_extra=", die_at_forward = 23, die_rank = 1",
         )
     )
-    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 1\)$", result.stderr, re.M), (
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39, epoch 2 of 3\)$", result.stderr, re.M), (
         result.stderr
     )
     assert_same_weights(reference_fsdp, killed)
@@ -333,7 +333,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
     # The fix the message gives works: step-30 loads, and the run ends bitwise where it should.
     shutil.rmtree(run_dir / "checkpoints" / "step-39")
     resumed = ok(run_job(run_dir, "--resume"))
-    assert re.search(r"^resumed from \S+/checkpoints/step-30 \(step 30 of 39, epoch 2\)$", resumed.stderr, re.M)
+    assert re.search(r"^resumed from \S+/checkpoints/step-30 \(step 30 of 39, epoch 3 of 3\)$", resumed.stderr, re.M)
     assert_same_weights(reference, run_dir)
 
 
@@ -519,7 +519,7 @@ def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(ref
     assert err.count("dtrain: error:") == 1
     (tmp_path / "model.safetensors").rmdir()
     rerun = ok(run_job(tmp_path, model_extra=SLOW))
-    assert "(step 39 of 39, epoch 3): the run is already complete" in rerun.stderr
+    assert "(step 39 of 39, epoch 3 of 3): the run is already complete" in rerun.stderr
     assert_same_weights(reference, tmp_path)
 
 
@@ -594,7 +594,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp
     # The surviving checkpoint loads: resume it on a disk with room.
     moved = copy_run(run_dir, tmp_path / "roomy")
     resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
-    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 1\)$", resumed.stderr, re.M), (
+    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 2 of 4\)$", resumed.stderr, re.M), (
         resumed.stderr
     )
 

@@ -254,7 +254,7 @@ def test_stop_at_step_already_reached_trains_nothing_and_one_beyond_the_end_chec
     capfd.readouterr()
     again = dtrain.Trainer(config(beyond), model=model(), train_data=data())
     again.fit()
-    assert re.search(r"\(step 20 of 20, epoch \d\): the run is already complete", capfd.readouterr().err)
+    assert re.search(r"\(step 20 of 20, epoch 2 of 2\): the run is already complete", capfd.readouterr().err)
 
 
 def test_a_checkpoint_in_the_earlier_flat_layout_still_resumes_bitwise(tmp_path):

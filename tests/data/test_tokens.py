@@ -300,7 +300,7 @@ def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(prepared
     # Stopped mid-epoch at step 5, resumed: bitwise the same weights as the run that never stopped.
     ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}", "training.stop_at_step=5"))
     resumed = ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}"))
-    assert re.search(r"^resumed from \S+/checkpoints/step-5 \(step 5 of 12, epoch 0\)$", resumed.stderr, re.M)
+    assert re.search(r"^resumed from \S+/checkpoints/step-5 \(step 5 of 12, epoch 1 of 1\)$", resumed.stderr, re.M)
     a, b = weights(gpt_run), weights(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -361,7 +361,7 @@ def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(pre
     parted = tmp_path / "parted"
     ok(dtrain(*launch, "--run-dir", str(parted), *plan, "training.stop_at_step=4"))
     resumed = ok(dtrain(*launch, "--run-dir", str(parted), *plan))
-    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 10, epoch 0\)$", resumed.stderr, re.M)
+    assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 10, epoch 1 of \d+\)$", resumed.stderr, re.M)
     a, b = weights(whole), weights(parted)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -169,7 +169,7 @@ def test_a_killed_worker_on_one_node_restarts_both_and_ends_the_same(nodes, one_
         model="model.options={hidden_size = 32, die_at_forward = 14, die_rank = 1}",
     )
     assert any(
-        re.search(r"^resumed from \S+/checkpoints/step-10 \(step 10 of 26, epoch 0\)$", err, re.M) for err in errs
+        re.search(r"^resumed from \S+/checkpoints/step-10 \(step 10 of 26, epoch 1 of 2\)$", err, re.M) for err in errs
     ), errs
     assert same_weights(one_node, tmp_path)
 
@@ -404,7 +404,7 @@ def test_a_node_lost_for_good_leaves_the_job_running_on_fewer(nodes, tokens, tmp
         err,
         re.M,
     ), err
-    resumed = re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 400, epoch 0\)$", err, re.M)
+    resumed = re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 400, epoch 1 of 1\)$", err, re.M)
     assert resumed and int(resumed.group(1)) >= 10, err
     assert re.search(
         rf"^step-{resumed.group(1)} was written by 2 processes and this run has 1: "

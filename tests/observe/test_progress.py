@@ -18,7 +18,7 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_lines(tmp_path):
     import termios
 
     piped = ok(dtrain_cli("run", *SMALL_JOB, f"run.dir={tmp_path / 'piped'}"))
-    assert "\r" not in piped.stderr and re.search(r"^step 5 \| epoch 0 \| loss ", piped.stderr, re.M)
+    assert "\r" not in piped.stderr and re.search(r"^step 5 \| epoch 1 \| loss ", piped.stderr, re.M)
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
     proc = subprocess.Popen(
@@ -42,4 +42,4 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_lines(tmp_path):
     assert proc.wait(timeout=TIMEOUT) == 0, screen.decode(errors="replace")
     text = screen.decode(errors="replace")
     assert "\r" in text and re.search(r"\d+/30 \[", text)  # tqdm redrawing "n/total [elapsed<left"
-    assert not re.search(r"^step 5 \| epoch 0", text, re.M)  # train lines go into the bar, not the screen
+    assert not re.search(r"^step 5 \| epoch 1", text, re.M)  # train lines go into the bar, not the screen

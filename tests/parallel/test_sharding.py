@@ -277,7 +277,10 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
         )
     )
     assert re.search(
-        r"^resumed from \S+step-8 \(step 8 of 8, epoch \d+\): the run is already complete$", again.stderr, re.M
+        r"^resumed from \S+step-8 \(step 8 of 8, epoch 1 of 1\): the run is already complete; nothing to train — "
+        r"raise training.epochs or training.max_steps to train on$",
+        again.stderr,
+        re.M,
     ), again.stderr
     assert [m["loss"] for m in train_lines(tmp_path)] == losses
 

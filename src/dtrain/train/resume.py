@@ -148,19 +148,20 @@ class ResumePlan:
             config=config.to_dict(),
         )
         attempt = distributed.describe_attempt(session.world_size)
-        for line in (*said, attempt, *self.lines(step, epoch, total_steps)):
+        for line in (*said, attempt, *self.lines(step, steps_per_epoch, total_steps)):
             if line:
                 monitor.info(line)
         return monitor
 
-    def lines(self, step: int, epoch: int, total_steps: int) -> list[str]:
+    def lines(self, step: int, steps_per_epoch: int, total_steps: int) -> list[str]:
         """What the console says about the resume: where from, and what changed (if it trains on)."""
         if self.resumed_from is None:
             return []
         continuing = step < total_steps
+        epochs = f"epoch {epoch_of(step, steps_per_epoch)} of {epoch_of(total_steps, steps_per_epoch)}"
         said = [
-            f"resumed from {self.resumed_from.path} (step {step} of {total_steps}, epoch {epoch})"
-            + ("" if continuing else ": the run is already complete")
+            f"resumed from {self.resumed_from.path} (step {step} of {total_steps}, {epochs})"
+            + ("" if continuing else f": the run is already complete; {NOTHING_TO_TRAIN}")
         ]
         if self.regrouped and continuing:
             said.append(self.regrouped)
@@ -170,6 +171,16 @@ class ResumePlan:
                 f"step {step}" + (", the learning-rate schedule rebuilt for its plan" if self.rescheduled else "")
             )
         return said
+
+
+NOTHING_TO_TRAIN = "nothing to train — raise training.epochs or training.max_steps to train on"
+
+
+def epoch_of(step: int, steps_per_epoch: int) -> int:
+    """The epoch (counted from 1) that optimizer step `step` (counted from 1) belongs to: what every
+    console line and metrics record says, so a train line, an eval line and a resume line at the same
+    step agree (a 2-epoch run ends at "epoch 2" everywhere)."""
+    return max(1, -(-step // steps_per_epoch))
 
 
 def check_stateful(parts: dict[str, Any], set_up: bool) -> None:

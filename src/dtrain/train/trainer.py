@@ -76,12 +76,11 @@ class Trainer:
         self.module = model
         self.train_data = TensorDict(train_data) if isinstance(train_data, Mapping) else train_data
         self.eval_data = TensorDict(eval_data) if isinstance(eval_data, Mapping) else eval_data
-        self.loss_of = LossOf(step_fn, loss_fn)
-        self.eval_metrics, self.collate_fn = eval_metrics, collate_fn
+        self.loss_of, self.eval_metrics, self.collate_fn = LossOf(step_fn, loss_fn), eval_metrics, collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
         self.strategy: parallel.Strategy | None = None
-        self.step, self.epoch = 0, 0  # optimizer steps taken, epochs done
+        self.step, self.epoch = 0, 0  # optimizer steps taken, epochs done (lines say epochs from 1: _epoch_said)
         self.run_dir = Path(self.config.run.dir)
         self.checkpoint_parts: dict[str, Any] = {}  # more state to checkpoint: see register_for_checkpointing
         # How the run continues a checkpoint. A regroup changes the accumulation the run uses: the
@@ -100,8 +99,7 @@ class Trainer:
         self.claim: RunDirClaim | None = None
         self.checkpointer: Checkpointer | None = None
         self.monitor: Monitor | None = None
-        self._lr = 0.0  # the learning rate of the last step, logged with it
-        self._left_together = False  # every rank left fit() in step: see distributed.stop
+        self._lr, self._left_together = 0.0, False  # the last step's lr (logged); every rank left fit() in step
 
     @property
     def parallel(self) -> parallel.Strategy | None:
@@ -263,9 +261,12 @@ class Trainer:
         if not (self.evaluator and self.evaluator.should_evaluate(self.step, self.total_steps, self.epoch, epoch_done)):
             return last
         with self.metrics.paused():  # evaluation is not training time
-            record = {"step": self.step, "epoch": self.epoch, "time": time.time(), **self.evaluate()}
+            record = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), **self.evaluate()}
             self.monitor.log(record)
         return {**last, **record}
+
+    def _epoch_said(self) -> int:
+        return resume.epoch_of(self.step, self.train_batches.steps_per_epoch if self.train_batches else 1)
 
     def _train_step(self, micro_batches: list[Any]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
@@ -309,9 +310,8 @@ class Trainer:
         metrics.step_done(n_step, tokens=step_tokens(micro_batches))
 
     def evaluate(self) -> dict[str, float]:
-        """eval_loss (and eval_accuracy, eval_perplexity, the user's eval_metrics where they apply) over
-        the whole eval set, reduced across ranks exactly (each sample counted once; see evaluation.py).
-        Sets the run up first if `setup()` has not run."""
+        """eval_loss (and eval_accuracy, eval_perplexity, the user's eval_metrics where they apply) over the eval
+        set, reduced across ranks exactly (see evaluation.py). Sets the run up first if `setup()` has not run."""
         if self.eval_data is None:
             return {}
         self.setup()
@@ -323,7 +323,7 @@ class Trainer:
         each rank's stop request, so the group agrees to stop together."""
         assert self.metrics and self.monitor and self.scheduler and self.session and self.checkpointer
         stats, stop = self.metrics.take(stop_requested)
-        record = {"step": self.step, "epoch": self.epoch, "time": time.time(), "lr": self._lr, **stats}
+        record = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), "lr": self._lr, **stats}
         if record.get("skipped_steps"):
             resume.unschedule(self.scheduler, record["skipped_steps"])
         self.monitor.log(record)
