@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dtrain
+from dtrain.checkpoint import finished
 from dtrain.checkpoint import preflight as checkpoint_preflight
 from dtrain.commands.report import build_figures, load_records, summary
 from dtrain.config import Config, all_keys, load_config
@@ -289,7 +290,19 @@ def a_checkpoint(tmp_path_factory):
         lambda inner: st.one_of(
             st.lists(inner, max_size=3),
             st.dictionaries(
-                st.sampled_from(["step", "files", "world_size", "bytes", "crc32", "trainer.json", "state/.metadata"]),
+                st.sampled_from(
+                    [
+                        "step",
+                        "files",
+                        "world_size",
+                        "bytes",
+                        "crc32",
+                        "trainer.json",
+                        "state/.metadata",
+                        "plan",
+                        "steps",
+                    ]
+                ),
                 inner,
                 max_size=4,
             ),
@@ -301,8 +314,11 @@ def test_any_checkpoint_marker_is_trusted_or_refused_in_one_line(a_checkpoint, t
     run_dir = tmp_path_factory.mktemp("copy")
     shutil.copytree(a_checkpoint / "checkpoints", run_dir / "checkpoints")
     (run_dir / "checkpoints" / "step-2" / "COMPLETE.json").write_text(json.dumps(marker))
+    (run_dir / "model.safetensors").write_bytes(b"")  # weights there: the run could be found finished
     config = Config.from_dict({"run": {"dir": str(run_dir)}})
     try:
+        said = finished(config, run_dir, world_size=1, n_train=40, global_order=False)
+        assert said is None or "\n" not in said
         checkpoint_preflight(config, run_dir, world_size=1, global_order=False)
     except DtrainError as exc:
         assert "\n" not in str(exc)

@@ -152,7 +152,12 @@ def cmd_run(argv: Sequence[str]) -> int:
     spec.shutdown_grace_s = config.checkpoint.preempt_grace_s
     spec.validate()
     # The largest group the job may form: an elastic range (--nnodes MIN:MAX) can grow to MAX nodes.
-    preflight(config, world_size=spec.nproc * spec.max_nodes, local_world_size=spec.nproc, config_file=args.config)
+    done = preflight(
+        config, world_size=spec.nproc * spec.max_nodes, local_world_size=spec.nproc, config_file=args.config
+    )
+    if done:  # a finished run rerun: said once, nothing started
+        print(f"dtrain: {done}", file=sys.stderr)
+        return 0
     if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
         return worker_main(config)  # one process: no launcher needed
     return launch(spec, ["-m", "dtrain", "run", args.config, *overrides])

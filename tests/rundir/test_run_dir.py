@@ -74,7 +74,10 @@ def test_overwrite_starts_afresh_even_over_checkpoints(tmp_path):
     ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4", "step-5"]
     resumed = ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))  # without it: the finished run is found
-    assert "the run is already complete" in resumed.stderr
+    assert resumed.stderr.strip().splitlines() == [
+        f"dtrain: run.dir {tmp_path} is already complete (step 5 of 5, epoch 1 of 1); nothing to train — raise "
+        f"training.epochs or training.max_steps to train on"
+    ]
     again = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "training.epochs=2"))
     assert "resumed" not in again.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 11))

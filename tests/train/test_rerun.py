@@ -1,43 +1,72 @@
-"""A rerun says what it will do: the lines of a finished run rerun, as the console prints them — real
-`dtrain run --nproc 2` (torchrun, gloo), real checkpoints."""
+"""A rerun says what it will do: the lines of a run stopped, resumed and rerun once finished, exactly as
+the console prints them — real `dtrain run --nproc 2` (torchrun, gloo), real checkpoints."""
 
 import re
 
 import pytest
 
-from helpers import SMALL_JOB, dtrain, eval_lines, ok, train_lines
+from helpers import SMALL_JOB, dtrain, eval_lines, ok, train_lines, weights
 
 # SMALL_JOB: 300 samples, 240 to train on, 120 a process; batches of 16: 8 steps an epoch, 16 in all.
 JOB = [*SMALL_JOB, "--nproc", "2", "checkpoint.every_steps=8"]
+DONE = "nothing to train — raise training.epochs or training.max_steps to train on"
 
 
 def lines_of(result):
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+def step_lines(result):
+    """(step, epoch, train or eval) of each metrics line on the console."""
+    found = [re.match(r"step (\d+) \| epoch (\d+) \| (loss|eval_loss) ", line) for line in lines_of(result)]
+    return [(int(m[1]), int(m[2]), m[3]) for m in found if m]
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
+    """A 2-epoch run stopped in its 2nd epoch (step 12), then resumed to its end: both runs' output."""
     run_dir = tmp_path_factory.mktemp("finished")
-    return run_dir, ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
+    stopped = ok(dtrain("run", *JOB, f"run.dir={run_dir}", "training.stop_at_step=12"))
+    resumed = ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
+    return run_dir, stopped, resumed
 
 
 def test_train_eval_and_resume_lines_count_epochs_alike(finished):
     """The epoch of a step is counted from 1 on every line: the 2nd epoch's steps say epoch 2 on the train
-    lines, its evaluation and the resume line of a rerun (they once said 1, 2 and 1)."""
-    run_dir, first = finished
-    said = [re.match(r"step (\d+) \| epoch (\d+) \| (loss|eval_loss) ", line) for line in lines_of(first)]
-    assert [m.groups() for m in said if m] == [
-        ("5", "1", "loss"),
-        ("8", "1", "eval_loss"),
-        ("10", "2", "loss"),
-        ("15", "2", "loss"),
-        ("16", "2", "loss"),
-        ("16", "2", "eval_loss"),
-    ]
+    lines, on its evaluation and on the resume line (they said 1, 2 and 1)."""
+    run_dir, stopped, resumed = finished
+    assert step_lines(stopped) == [(5, 1, "loss"), (8, 1, "eval_loss"), (10, 2, "loss")]
+    assert f"resumed from {run_dir}/checkpoints/step-12 (step 12 of 16, epoch 2 of 2)" in lines_of(resumed)
+    assert step_lines(resumed) == [(15, 2, "loss"), (16, 2, "loss"), (16, 2, "eval_loss")]
     assert [(m["step"], m["epoch"]) for m in train_lines(run_dir)] == [(5, 1), (10, 2), (15, 2), (16, 2)]
     assert [(m["step"], m["epoch"]) for m in eval_lines(run_dir)] == [(8, 1), (16, 2)]
-    again = ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
-    assert lines_of(again) == [
-        f"resumed from {run_dir}/checkpoints/step-16 (step 16 of 16, epoch 2 of 2): the run is already complete; "
-        f"nothing to train — raise training.epochs or training.max_steps to train on"
+
+
+def test_a_finished_run_rerun_says_it_is_complete_whatever_only_training_would_use(finished):
+    """The same command, --resume, or a data.batch_size whose global batch no accumulation makes up (the
+    checkpoint's is 32): one line, exit 0, no worker started. Asking for more steps with that batch size
+    is still refused, in the one line saying which batch sizes can continue."""
+    run_dir = finished[0]
+    complete = f"dtrain: run.dir {run_dir} is already complete (step 16 of 16, epoch 2 of 2); {DONE}"
+    for rerun in ([], ["--resume"], ["data.batch_size=7"], ["data.batch_size=7", "--resume"]):
+        assert lines_of(ok(dtrain("run", *JOB, f"run.dir={run_dir}", *rerun))) == [complete], rerun
+    more = dtrain("run", *JOB, f"run.dir={run_dir}", "data.batch_size=7", "training.epochs=3")
+    assert more.returncode == 2 and lines_of(more) == [
+        "dtrain: error: checkpoint step-16 trained on global batches of 32 samples (2 processes × 16); 2 processes "
+        "with data.batch_size=7 cannot make that up in whole accumulation steps: set data.batch_size to a divisor "
+        "of 16, such as 2, 4, 8, 16"
     ]
+    assert [m["step"] for m in train_lines(run_dir)] == [5, 10, 15, 16]  # nothing trained, nothing logged
+
+
+def test_a_finished_run_without_its_weights_resumes_to_write_them_and_says_so(finished, tmp_path):
+    """The launcher's shortcut needs the weights there: without them the workers resume, write them, and
+    the resume line says the run is complete."""
+    run_dir = finished[0]
+    kept = weights(run_dir)
+    (run_dir / "model.safetensors").unlink()
+    again = ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
+    assert lines_of(again)[-1] == (
+        f"resumed from {run_dir}/checkpoints/step-16 (step 16 of 16, epoch 2 of 2): the run is already complete; {DONE}"
+    )
+    assert weights(run_dir).keys() == kept.keys()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
-from dtrain.checkpoint.state import Parts, Position, regroup
+from dtrain.checkpoint.state import NOTHING_TO_TRAIN, Parts, Position, epoch_of, regroup
 from dtrain.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
 from dtrain.config import CheckpointConfig, Config
 from dtrain.distributed import every_rank_raises, later_attempt, rank0_decides
@@ -33,6 +33,7 @@ __all__ = [
     "Parts",
     "PendingCheckpoint",
     "Position",
+    "finished",
     "resume_geometry",
     "truncate_metrics",
 ]
@@ -236,6 +237,45 @@ def preflight(
             global_order,
         )
     return name
+
+
+def finished(
+    config: Config, run_dir: Path, world_size: int, n_train: int | None, global_order: bool | None
+) -> str | None:
+    """The launcher's line for a rerun with nothing left to train, or None. The checkpoint it would
+    continue is the end of a run that planned what this config plans (training.epochs and max_steps over
+    as many training samples of the same data; for data in an order of the world size, as many
+    processes), and that run's weights were written: whatever else the rerun changed (data.batch_size,
+    the accumulation, the strategy), it would only resume and stop. A marker without its plan (written
+    before checkpoints kept one), or anything else unsure, is None: the usual checks judge the rerun."""
+    if config.run.overwrite and not later_attempt():  # a fresh start
+        return None
+    checkpoint = choose_resume(CheckpointStore(run_dir), "auto" if later_attempt() else config.checkpoint.resume)
+    if checkpoint is None or not (run_dir / "model.safetensors").is_file():
+        return None
+    try:
+        meta = checkpoint.meta()
+    except (OSError, ValueError):
+        return None
+    if marker_problem(meta, checkpoint.step):  # also: not an object
+        return None
+    plan, identity = meta.get("plan"), meta.get("identity")
+    if not isinstance(plan, dict) or not isinstance(identity, dict):
+        return None
+    per_epoch = plan.get("steps_per_epoch")
+    same_plan = [plan.get(key) for key in ("steps", "training.epochs", "training.max_steps")] == [
+        checkpoint.step,
+        config.training.epochs,
+        config.training.max_steps,
+    ]
+    same_data = [identity.get("data.name"), identity.get("training samples")] == [config.data.name, n_train]
+    same_order = meta.get("world_size") == world_size or global_order is True
+    if not (same_plan and same_data and same_order and n_train and isinstance(per_epoch, int) and per_epoch > 0):
+        return None
+    step, epochs = checkpoint.step, epoch_of(checkpoint.step, per_epoch)
+    return (
+        f"run.dir {run_dir} is already complete (step {step} of {step}, epoch {epochs} of {epochs}); {NOTHING_TO_TRAIN}"
+    )
 
 
 def _space_hint(store: CheckpointStore) -> str:

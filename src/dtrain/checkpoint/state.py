@@ -14,6 +14,16 @@ from torch import nn
 
 from dtrain.checkpoint.store import CheckpointError
 
+# What a rerun of a finished run is told.
+NOTHING_TO_TRAIN = "nothing to train — raise training.epochs or training.max_steps to train on"
+
+
+def epoch_of(step: int, steps_per_epoch: int) -> int:
+    """The epoch (counted from 1) that optimizer step `step` (counted from 1) belongs to: what every
+    console line and metrics record says, so a train line, an eval line and a resume line at the same
+    step agree (a 2-epoch run ends at "epoch 2" everywhere)."""
+    return max(1, -(-step // max(1, steps_per_epoch)))
+
 
 @dataclass
 class Position:
@@ -43,6 +53,7 @@ HEADER = (
     "identity",
     "unscheduled_skips",
     "setup",
+    "plan",
     "parts",
 )
 
@@ -63,6 +74,9 @@ class Parts:
     identity: dict[str, Any] = field(default_factory=dict)
     # What may change on resume and is said when it does (distributed.strategy, training.compile, ...).
     setup: dict[str, Any] = field(default_factory=dict)
+    # The plan of the run writing the checkpoint (training.epochs, training.max_steps, its steps and steps
+    # per epoch): a rerun asking the same of the checkpoint at its end has nothing to train (`finished`).
+    plan: dict[str, int] = field(default_factory=dict)
     # Stateful objects registered by name (Trainer.register_for_checkpointing): saved and restored too.
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -60,6 +60,7 @@ def stage(parts: Parts, position: Position) -> Staged:
         "world_size": parts.world_size,
         "samples_per_step": parts.samples_per_step,
         "identity": parts.identity,
+        **({"plan": parts.plan} if parts.plan else {}),
     }
     trainer = {**meta, "unscheduled_skips": position.unscheduled_skips, "setup": parts.setup}
     named = adapters(parts)

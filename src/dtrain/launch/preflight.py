@@ -17,8 +17,9 @@ from dtrain.rundir.lock import RunDirLock
 from dtrain.train.amp import precision_problem
 
 
-def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> None:
-    """Refuse, before any process starts, a job that cannot run here; fetch data it may download."""
+def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> str | None:
+    """Refuse, before any process starts, a job that cannot run here; fetch data it may download. A line to
+    say instead of starting any (a finished run rerun: nothing to train), or None."""
     run_dir = Path(config.run.dir)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
@@ -50,11 +51,18 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     # Token data is served in an order that does not depend on the world size; a factory's may be.
-    resume_from = checkpoint.preflight(config, run_dir, world_size, data.global_order_of(config), fresh=fresh)
+    global_order = data.global_order_of(config)
+    # On one node only: on several, each node's launcher would leave alone, the others waiting for it.
+    if world_size == local_world_size:
+        done = checkpoint.finished(config, run_dir, world_size, n_train, global_order)
+        if done:
+            return done
+    resume_from = checkpoint.preflight(config, run_dir, world_size, global_order, fresh=fresh)
     if world_size > local_world_size:
-        return  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
+        return None  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()
     # Refused now if it must be; deleted (run.overwrite) only by rank 0 once the run has started.
     rundir.earlier_outputs(
         run_dir, resuming=resume_from is not None, overwrite=fresh, again=distributed.later_attempt()
     )
+    return None

@@ -19,7 +19,7 @@ import torch
 
 from dtrain import distributed, rundir
 from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
-from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, processes, regroup
+from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
 from dtrain.config import Config
 from dtrain.data import TrainBatches
 from dtrain.errors import DtrainError
@@ -173,16 +173,6 @@ class ResumePlan:
         return said
 
 
-NOTHING_TO_TRAIN = "nothing to train — raise training.epochs or training.max_steps to train on"
-
-
-def epoch_of(step: int, steps_per_epoch: int) -> int:
-    """The epoch (counted from 1) that optimizer step `step` (counted from 1) belongs to: what every
-    console line and metrics record says, so a train line, an eval line and a resume line at the same
-    step agree (a 2-epoch run ends at "epoch 2" everywhere)."""
-    return max(1, -(-step // steps_per_epoch))
-
-
 def check_stateful(parts: dict[str, Any], set_up: bool) -> None:
     """Refuse a part to checkpoint that cannot save and load its state (torch's Stateful protocol), or
     one registered once the run is `set_up` (and has resumed already)."""
@@ -216,6 +206,17 @@ def identity(config: Config, train_samples: int) -> dict[str, Any]:
         "run.seed": config.run.seed,
         "data.name": config.data.name,
         "training samples": train_samples,
+    }
+
+
+def plan(config: Config, total_steps: int, steps_per_epoch: int) -> dict[str, int]:
+    """What this run plans, kept in its checkpoints: a rerun planning the same has nothing left to train
+    once a checkpoint reached `total_steps` (see checkpoint.finished)."""
+    return {
+        "training.epochs": config.training.epochs,
+        "training.max_steps": config.training.max_steps,
+        "steps": total_steps,
+        "steps_per_epoch": steps_per_epoch,
     }
 
 

@@ -165,21 +165,21 @@ class Trainer:
         cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps
         claim.take(self.module)
         held = (self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank, session.world_size)
+        per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
         identity, spread = resume.identity(cfg, len(self.train_data)), resume.spread(cfg)  # type: ignore[arg-type]
-        parts = Parts(*held, samples_per_step, identity=identity, extra=self.checkpoint_parts, setup=spread)
+        plan, extra = resume.plan(cfg, total, per_epoch), self.checkpoint_parts
+        parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts)
         resume_from = self.checkpointer.find_resume_point()
         claim.fresh = resume_from is None  # what run.dir holds from here on is this run's own
         if resume_from is not None:
-            position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, self.total_steps)
+            position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, total)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-        per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
 
     def fit(self) -> dict[str, Any]:
-        """Train for `training.epochs` (or `training.max_steps`); returns the last logged metrics. Raises
-        `Preempted` after writing a checkpoint when the job receives SIGTERM."""
+        """Train for `training.epochs` (or `max_steps`); the last logged metrics. SIGTERM: a checkpoint, `Preempted`."""
         self.setup()
         assert self.session and self.claim and self.monitor and self.timer
         cfg, session, claim, monitor = self.config, self.session, self.claim, self.monitor
