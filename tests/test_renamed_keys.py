@@ -52,7 +52,11 @@ def test_dtrain_config_prints_model_blocks_and_notes_the_old_name_once(tmp_path)
     result = ok(dtrain("config", 'distributed.fsdp_units=["Block"]'))
     assert re.search(r'^blocks = \[\s*"Block",?\s*\]', result.stdout, re.M), result.stdout
     assert "fsdp_units" not in result.stdout
-    assert result.stderr.splitlines() == ["note: " + NOTE.format(where="on the command line")]
+    assert result.stderr.splitlines() == [
+        "note: " + NOTE.format(where="on the command line"),
+        'note: these settings do nothing in this job and are ignored: model.blocks = ["Block"] (DDP uses blocks '
+        "only for training.activation_checkpointing and training.compile=blocks, both off)",
+    ]
 
 
 @pytest.mark.parametrize("where", ["file", "command line"])

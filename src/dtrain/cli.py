@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from dtrain import __version__
-from dtrain.config import read_config
+from dtrain.config import idle_settings, read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
 
 # torch is imported only after the command line and config have been checked, so that a typo is
@@ -107,8 +107,9 @@ def _explicit_launch(args: argparse.Namespace) -> bool:
 
 
 def _say_notes(notes: list[str]) -> None:
-    """What loading the config noted (a renamed key), said once per job: by the launcher, or by rank 0
-    where something else started every worker; never by torchrun's workers, which load it again."""
+    """What loading the config noted (a renamed key, settings that do nothing), said once per job: by the
+    launcher, or by rank 0 where something else started every worker; never by torchrun's workers, which
+    load it again."""
     if not notes or "TORCHELASTIC_RUN_ID" in os.environ:
         return
     from dtrain.distributed import detect_env, in_worker_environment
@@ -132,7 +133,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
     config, notes = read_config(args.config, overrides)
-    _say_notes(notes)
+    _say_notes([*notes, *idle_settings(config)])
     from dtrain.distributed import detect_env, in_worker_environment
     from dtrain.launch import launch, wait_for_rank0
     from dtrain.launch.preflight import preflight
@@ -202,7 +203,7 @@ def cmd_config(argv: Sequence[str]) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     config, notes = read_config(args.config, args.overrides)
-    _say_notes(notes)
+    _say_notes([*notes, *idle_settings(config)])
     sys.stdout.write(config.to_toml())
     return 0
 

@@ -119,6 +119,50 @@ def validate(config: Config) -> None:
         )
 
 
+# What only DDP uses, and what only the sharded strategies use (hsdp_shard_size: hsdp alone).
+_DDP_ONLY = (
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+    "shared_memory_allreduce",
+)
+_SHARDED_ONLY = ("reshard_after_forward", "fsdp_cpu_offload")
+
+
+def idle_settings(config: Config) -> list[str]:
+    """A note (one line, or none) naming each setting given a value of its own that does nothing in this
+    job — another strategy's option, the mlp's width for another model, blocks nothing works on — so
+    that it is not taken for having had an effect. Said once, as a renamed key's note is (cli)."""
+    default, strategy = Config(), config.distributed.strategy
+    is_ddp, training = strategy == "ddp", config.training
+
+    def given(section: str, key: str) -> bool:
+        return getattr(getattr(config, section), key) != getattr(getattr(default, section), key)
+
+    def said(section: str, key: str, why: str) -> str:
+        return f"{section}.{key} = {inline(getattr(getattr(config, section), key))} ({why})"
+
+    idle = [
+        said("distributed", key, f"a DDP setting; distributed.strategy = {strategy}")
+        for key in _DDP_ONLY
+        if not is_ddp and given("distributed", key)
+    ]
+    idle += [
+        said("distributed", key, "an FSDP setting; distributed.strategy = ddp")
+        for key in _SHARDED_ONLY
+        if is_ddp and given("distributed", key)
+    ]
+    if strategy != "hsdp" and given("distributed", "hsdp_shard_size"):
+        idle.append(said("distributed", "hsdp_shard_size", f"an hsdp setting; distributed.strategy = {strategy}"))
+    if is_ddp and config.model.blocks and training.activation_checkpointing == "none" and training.compile != "blocks":
+        why = "DDP uses blocks only for training.activation_checkpointing and training.compile=blocks, both off"
+        idle.append(said("model", "blocks", why))
+    if config.model.name != "mlp" and given("model", "hidden_size"):
+        idle.append(said("model", "hidden_size", f"the built-in mlp's width; model.name = {config.model.name}"))
+    return [f"these settings do nothing in this job and are ignored: {'; '.join(idle)}"] if idle else []
+
+
 # --- reading ------------------------------------------------------------------------------------
 
 

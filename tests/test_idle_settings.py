@@ -1,0 +1,55 @@
+"""Settings that do nothing in the job at hand (another strategy's options, the mlp's width for another
+model, blocks nothing works on) are named in one note, said once per job."""
+
+import pytest
+
+from helpers import dtrain, ok
+
+IDLE = "note: these settings do nothing in this job and are ignored: "
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (
+            [
+                "distributed.fsdp_cpu_offload=true",
+                "distributed.reshard_after_forward=false",
+                "distributed.hsdp_shard_size=2",
+                'model.blocks=["Linear"]',
+            ],
+            "distributed.reshard_after_forward = false (an FSDP setting; distributed.strategy = ddp); "
+            "distributed.fsdp_cpu_offload = true (an FSDP setting; distributed.strategy = ddp); "
+            "distributed.hsdp_shard_size = 2 (an hsdp setting; distributed.strategy = ddp); "
+            'model.blocks = ["Linear"] (DDP uses blocks only for training.activation_checkpointing and '
+            "training.compile=blocks, both off)",
+        ),
+        (
+            [
+                "distributed.strategy=fsdp",
+                "distributed.static_graph=true",
+                "distributed.bucket_cap_mb=50",
+                "distributed.shared_memory_allreduce=false",
+                "distributed.hsdp_shard_size=2",
+                "model.name=cnn",
+                "model.hidden_size=3",
+            ],
+            "distributed.bucket_cap_mb = 50.0 (a DDP setting; distributed.strategy = fsdp); "
+            "distributed.static_graph = true (a DDP setting; distributed.strategy = fsdp); "
+            "distributed.shared_memory_allreduce = false (a DDP setting; distributed.strategy = fsdp); "
+            "distributed.hsdp_shard_size = 2 (an hsdp setting; distributed.strategy = fsdp); "
+            "model.hidden_size = 3 (the built-in mlp's width; model.name = cnn)",
+        ),
+        # Each of these does something here: nothing to say.
+        (["distributed.strategy=fsdp", "distributed.fsdp_cpu_offload=true", 'model.blocks=["Linear"]'], None),
+        (
+            ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=2", "distributed.reshard_after_forward=false"],
+            None,
+        ),
+        (['model.blocks=["Linear"]', "training.activation_checkpointing=full"], None),
+        (['model.blocks=["Linear"]', "training.compile=blocks", "distributed.static_graph=true"], None),
+    ],
+)
+def test_settings_that_do_nothing_are_named_in_one_note(overrides, said):
+    result = ok(dtrain("config", "examples/digits_mlp.toml", *overrides))
+    assert result.stderr.splitlines() == ([IDLE + said] if said else [])
