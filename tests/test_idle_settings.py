@@ -1,9 +1,10 @@
 """Settings that do nothing in the job at hand (another strategy's options, the mlp's width for another
-model, blocks nothing works on) are named in one note, said once per job."""
+model, blocks nothing works on) are named in one note, said once per job; blocks that name no module of
+the model are refused in one line instead of being ignored."""
 
 import pytest
 
-from helpers import dtrain, ok
+from helpers import SMALL_JOB, dtrain, ok
 
 IDLE = "note: these settings do nothing in this job and are ignored: "
 
@@ -53,3 +54,27 @@ IDLE = "note: these settings do nothing in this job and are ignored: "
 def test_settings_that_do_nothing_are_named_in_one_note(overrides, said):
     result = ok(dtrain("config", "examples/digits_mlp.toml", *overrides))
     assert result.stderr.splitlines() == ([IDLE + said] if said else [])
+
+
+def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
+    """Under `dtrain run --nproc 2` (the launcher and both workers read the config) the note is said once;
+    a model.blocks name that matches no module is refused even where nothing would use the blocks (DDP
+    without activation checkpointing or compile=blocks), naming what matched and the model's classes."""
+    result = dtrain(
+        "run",
+        *SMALL_JOB,
+        "--nproc",
+        "2",
+        f"run.dir={tmp_path / 'run'}",
+        "distributed.fsdp_cpu_offload=true",
+        'model.blocks=["Linear", "Linera"]',
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        IDLE + "distributed.fsdp_cpu_offload = true (an FSDP setting; distributed.strategy = ddp); "
+        'model.blocks = ["Linear", "Linera"] (DDP uses blocks only for training.activation_checkpointing and '
+        "training.compile=blocks, both off)",
+        "dtrain: error: model.blocks = ['Linear', 'Linera']: Linera names no module of this model (Linear "
+        "matched 2 modules); its module classes are Flatten, Linear, ReLU",
+    ]
+    assert not (tmp_path / "run").exists()  # refused before anything was written

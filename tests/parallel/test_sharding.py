@@ -119,7 +119,7 @@ def test_fsdp_resumes_bitwise(fsdp):
 def test_blocks_naming_no_module_is_one_line(fsdp):
     _, results, _ = fsdp
     assert results["bad_units"].startswith(
-        "model.blocks = ['Nowhere'] names no module of this model; its module classes are Block, "
+        "model.blocks = ['Nowhere']: Nowhere names no module of this model; its module classes are Block, "
     )
     # The GPT ties lm_head.weight to the token embedding: a Linear unit would shard one of them alone.
     assert results["tied_units"].startswith("model.blocks makes ") and "tied weights" in results["tied_units"]

@@ -46,7 +46,8 @@ def apply_block_options(
     strategy that shards: `sharded`). `quiet`: a rank other than 0, which need not repeat torch's warnings."""
     tc = config.training
     needs_blocks = sharded or tc.activation_checkpointing != "none" or tc.compile == "blocks"
-    blocks = find_blocks(module, config.model.blocks) if needs_blocks else []
+    # Named blocks are looked for even where nothing uses them, so that a misspelt name is refused, not ignored.
+    blocks = find_blocks(module, config.model.blocks) if needs_blocks or config.model.blocks else []
     wanted_blocks = tc.activation_checkpointing != "none" or tc.compile == "blocks"
     if wanted_blocks and not blocks:
         raise ConfigError(
@@ -109,10 +110,13 @@ def find_blocks(module: nn.Module, names: list[str]) -> list[nn.Module]:
     wanted = set(names or getattr(module, "_no_split_modules", None) or ())
     if wanted:
         blocks = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
-        if not blocks and names:
-            classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+        classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+        unmatched = [name for name in names if name not in classes]
+        if unmatched:  # every name given must find a module: one misspelt among others would be ignored
+            matched = [name for name in names if name in classes]
+            found = f" ({', '.join(matched)} matched {len(blocks)} modules)" if matched else ""
             raise ConfigError(
-                f"model.blocks = {names} names no module of this model; its module "
+                f"model.blocks = {names}: {', '.join(unmatched)} names no module of this model{found}; its module "
                 f"classes are {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}"
             )
         containers = sorted({type(b).__name__ for b in blocks if type(b).forward is nn.Module.forward})
