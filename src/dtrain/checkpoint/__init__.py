@@ -247,10 +247,12 @@ def finished(
     as many training samples of the same data; for data in an order of the world size, as many
     processes), and that run's weights were written: whatever else the rerun changed (data.batch_size,
     the accumulation, the strategy), it would only resume and stop. A marker without its plan (written
-    before checkpoints kept one), or anything else unsure, is None: the usual checks judge the rerun."""
+    before checkpoints kept one), or anything else unsure, is None: the usual checks judge the rerun. A
+    finished run's damaged checkpoint is refused in one line, as a resume from it would be."""
     if config.run.overwrite and not later_attempt():  # a fresh start
         return None
-    checkpoint = choose_resume(CheckpointStore(run_dir), "auto" if later_attempt() else config.checkpoint.resume)
+    store = CheckpointStore(run_dir)
+    checkpoint = choose_resume(store, "auto" if later_attempt() else config.checkpoint.resume)
     if checkpoint is None or not (run_dir / "model.safetensors").is_file():
         return None
     try:
@@ -272,6 +274,7 @@ def finished(
     same_order = meta.get("world_size") == world_size or global_order is True
     if not (same_plan and same_data and same_order and n_train and isinstance(per_epoch, int) and per_epoch > 0):
         return None
+    store.check_intact(checkpoint)  # a damaged checkpoint is named, as when the run would resume from it
     step, epochs = checkpoint.step, epoch_of(checkpoint.step, per_epoch)
     return (
         f"run.dir {run_dir} is already complete (step {step} of {step}, epoch {epochs} of {epochs}); {NOTHING_TO_TRAIN}"

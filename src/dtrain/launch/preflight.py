@@ -52,7 +52,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     # Token data is served in an order that does not depend on the world size; a factory's may be.
     global_order = data.global_order_of(config)
-    # On one node only: on several, each node's launcher would leave alone, the others waiting for it.
+    # On one node only: on several, a node's launcher leaving at once would keep the others waiting.
     if world_size == local_world_size:
         done = checkpoint.finished(config, run_dir, world_size, n_train, global_order)
         if done:
