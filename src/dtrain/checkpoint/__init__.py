@@ -245,8 +245,9 @@ def finished(
     """The launcher's line for a rerun with nothing left to train, or None. The checkpoint it would
     continue is the end of a run that planned what this config plans (training.epochs and max_steps over
     as many training samples of the same data; for data in an order of the world size, as many
-    processes), and that run's weights were written: whatever else the rerun changed (data.batch_size,
-    the accumulation, the strategy), it would only resume and stop. A marker without its plan (written
+    processes), that run's weights were written, and the rerun trains what it did (its config.toml: the same
+    model, optimizer, schedule, seed and data): whatever else the rerun changed (data.batch_size, the
+    accumulation, the strategy), it would only resume and stop. A marker without its plan (written
     before checkpoints kept one), or anything else unsure, is None: the usual checks judge the rerun. A
     finished run's damaged checkpoint is refused in one line, as a resume from it would be."""
     if config.run.overwrite and not later_attempt():  # a fresh start
@@ -274,11 +275,44 @@ def finished(
     same_order = meta.get("world_size") == world_size or global_order is True
     if not (same_plan and same_data and same_order and n_train and isinstance(per_epoch, int) and per_epoch > 0):
         return None
+    if _what_changed(config, run_dir):
+        return None
     store.check_intact(checkpoint)  # a damaged checkpoint is named, as when the run would resume from it
     step, epochs = checkpoint.step, epoch_of(checkpoint.step, per_epoch)
     return (
         f"run.dir {run_dir} is already complete (step {step} of {step}, epoch {epochs} of {epochs}); {NOTHING_TO_TRAIN}"
     )
+
+
+# What a run trains, as against how (batch sizes and accumulation, the strategy, precision, compile,
+# loading, logging, checkpoints): a finished run rerun with another of these is judged by the usual checks.
+_WHAT = {
+    "run": ("seed",),
+    "model": None,  # every key
+    "optimizer": None,
+    "scheduler": None,
+    "training": ("epochs", "max_steps", "max_grad_norm"),
+    "data": ("name", "path", "block_size", "eval_fraction", "drop_last", "num_samples", "input_shape", "num_classes"),
+}
+
+
+def _what_changed(config: Config, run_dir: Path) -> bool:
+    """Whether this config trains something else than the run whose config.toml run.dir holds (also:
+    there is none to compare with, or it cannot be read)."""
+    from dtrain.config import tomllib
+
+    try:
+        before = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, ValueError):
+        return True
+    now = config.to_dict()
+    for section, keys in _WHAT.items():
+        was = before.get(section)
+        if not isinstance(was, dict):
+            return True
+        if any(was.get(key) != now[section][key] for key in keys or now[section]):
+            return True
+    return False
 
 
 def _space_hint(store: CheckpointStore) -> str:
