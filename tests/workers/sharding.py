@@ -74,7 +74,8 @@ def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     results: dict = {}
     sharded = mode  # fsdp or hsdp
-    for name, training in (("plain", {}), ("accum_clip", {"grad_accum_steps": 2, "max_grad_norm": 0.05})):
+    accum_clip = {"grad_accum_steps": 2, "max_grad_norm": 0.05}
+    for name, training in (("plain", {}), ("accum_clip", accum_clip)):
         train(out / f"ddp_{name}", "ddp", **training)
         trainer = train(out / f"{sharded}_{name}", sharded, **training)
     params = local_bytes(trainer.module.parameters())
@@ -91,7 +92,8 @@ def main(mode: str, out: Path) -> None:
         train(out / "ddp_full_ac", "ddp", activation_checkpointing="full")
         train(out / "fsdp_selective_ac", sharded, activation_checkpointing="selective")
         train(out / "fsdp_compiled", sharded, compile="blocks", activation_checkpointing="selective")
-        train(out / "ddp_compiled", "ddp", compile="model")
+        # The whole forward compiled with fully checkpointed blocks, accumulation and clipping.
+        train(out / "ddp_compiled", "ddp", compile="model", activation_checkpointing="full", **accum_clip)
         train(out / "parted", sharded, stop_at_step=3)
         train(out / "parted", sharded)  # resumes from step-3
         # One run.dir, two strategies: DDP to step 4, resumed under FSDP to the end (and the reverse).

@@ -32,7 +32,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from dtrain.config import Config
@@ -165,15 +164,17 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """`forward` whose activations are recomputed in backward (all of them, or the cheap ones). The RNG
     state is replayed, so dropout draws the same masks: the result equals the plain forward's."""
-    context_fn: Callable[[], Any] = (
-        functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
+    # `full` passes no context_fn at all: torch.compile cannot trace checkpoint's default one handed in
+    # as an argument ("checkpoint not implemented for ... context_fn"), so compile=blocks would fail.
+    options: dict[str, Any] = (
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)}
         if mode == "selective"
-        else noop_context_fn  # checkpoint's own default: keep nothing but the inputs
+        else {}
     )
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 
