@@ -375,6 +375,23 @@ def test_prepare_never_reads_its_own_earlier_output_as_text(corpus, tmp_path):
     assert second["splits"]["train"]["tokens"] == first["splits"]["train"]["tokens"]
 
 
+def test_prepare_reads_a_file_once_whatever_links_lead_to_it(corpus, tmp_path):
+    """A symlink to a file is the same document (else one text could be both trained on and held out), a
+    symlink loop (to `..`) repeats nothing, through a folder or a `**` glob, and a dangling link is no match."""
+    source = tmp_path / "src"
+    shutil.copytree(corpus, source)
+    (source / "json" / "decoder_again.py").symlink_to("decoder.py")
+    (source / "json" / "up").symlink_to("..")
+    (source / "json" / "dangling.py").symlink_to("nowhere.py")
+    plain = prepare_text([str(corpus)], str(tmp_path / "plain"), tokenizer="bytes")["source"]
+    for sources in ([str(source)], [f"{source}/**"], [f"{source}/json/*.py", str(source)]):
+        meta = prepare_text(sources, str(tmp_path / f"out{len(sources)}{sources[0][-1]}"), tokenizer="bytes")
+        assert (meta["source"]["files"], meta["source"]["documents"]) == (plain["files"], plain["documents"]), sources
+    result = dtrain("prepare", "text", f"{source}/json/dangling*", "--out", str(tmp_path / "none"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dtrain: error: {source}/json/dangling*: matches no file or folder"
+
+
 def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
     folder = tmp_path / "oov"
     shutil.copytree(prepared, folder)

@@ -46,26 +46,48 @@ def stdlib_files() -> list[Path]:
 
 def find_files(sources: Sequence[str]) -> list[Path]:
     """Files named, found under folders (recursively, hidden ones left out) or matched by globs; sorted,
-    each once."""
-    found: set[Path] = set()
+    each once — a file reached under two names (a symlink to it) too, or it could be both a training and
+    a held-out document."""
+    found: dict[Path, Path] = {}  # the file itself (symlinks resolved) → the first of its names
     for source in sources:
-        matches = [Path(m) for m in glob.glob(source, recursive=True)] if glob.has_magic(source) else [Path(source)]
-        if not matches or not all(m.exists() for m in matches):
-            raise DtrainError(f"{source}: no such file or folder")
+        if glob.has_magic(source):
+            matches = [m for m in _glob(source) if m.exists()]  # a dangling symlink is no match
+            if not matches:
+                raise DtrainError(f"{source}: matches no file or folder")
+        else:
+            matches = [Path(source)]
+            if not matches[0].exists():
+                raise DtrainError(f"{source}: no such file or folder")
         for match in matches:
             if match.is_dir():
                 # Token folders an earlier prepare wrote (maybe into this very tree) are output, not text.
                 prepared = [m.parent for m in match.rglob("meta.json") if _is_token_meta(m)]
-                found.update(
+                files = [
                     p
-                    for p in match.rglob("*")
+                    for p in match.rglob("*")  # never through a symlinked folder: a loop would not end
                     if p.is_file()
                     and not any(part.startswith(".") for part in p.relative_to(match).parts)
                     and not any(p.is_relative_to(folder) for folder in prepared)
-                )
-            elif match.is_file():
-                found.add(match)
-    return sorted(found)
+                ]
+            elif match.is_file() and not _is_token_meta(match.parent / "meta.json"):
+                files = [match]
+            else:
+                files = []
+            for path in files:
+                real = path.resolve()
+                found[real] = min(found.get(real, path), path)  # the same name whatever the order found
+    return sorted(found.values())
+
+
+def _glob(pattern: str) -> list[Path]:
+    """What glob.glob(pattern, recursive=True) matches (names starting with a dot only where the pattern
+    has one), but never through a symlinked folder: glob follows those, so a link to `..` makes `**`
+    list the same files under ever longer names, and two such links make it run for hours."""
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root, rest = Path(*parts[:first]), Path(*parts[first:])
+    hidden = any(part.startswith(".") for part in rest.parts)
+    return [m for m in root.glob(str(rest)) if hidden or not any(p.startswith(".") for p in m.relative_to(root).parts)]
 
 
 def _is_token_meta(path: Path) -> bool:
