@@ -149,3 +149,25 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
                 if "loss" in items:
                     history[record.history.step.num] = items["loss"]
     assert history == pytest.approx(expected)
+
+
+def test_a_failed_run_is_marked_failed_in_its_trackers(tmp_path, monkeypatch):
+    """Rank 1 is killed at its 4th step: MLflow's run reads FAILED and W&B's exit code is not 0, rather than
+    both saying the run finished."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    dying = ["model.name=faults:dying_mlp", "model.options={die_at_forward = 4, die_rank = 1}"]
+    failed = dtrain("run", *JOB, f"run.dir={tmp_path}", 'monitor.trackers=["mlflow", "wandb"]', *dying, extra_env=env)
+    assert failed.returncode != 0 and "rank 1 (local rank 1) was killed by SIGKILL" in failed.stderr, failed.stderr
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    (only,) = client.search_runs([client.get_experiment_by_name("dtrain").experiment_id])
+    assert only.info.status == "FAILED"
+    (part,) = (tmp_path / "wandb").glob("offline-run-*")
+    exits = [
+        r.exit.exit_code for r in wandb_records(next(part.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "exit"
+    ]
+    assert exits and all(code != 0 for code in exits), exits

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from dtrain.errors import Preempted
 from dtrain.observe.memory import FIELDS as memory_fields
 from dtrain.observe.trackers import open_trackers
 
@@ -130,7 +131,9 @@ class Monitor:
         else:
             print(message, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """`error`: what ended the run, if anything did; the trackers mark their run failed (or killed, on
+        a stop the job was asked for) rather than finished."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -140,8 +143,11 @@ class Monitor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        outcome = (
+            "finished" if error is None else "killed" if isinstance(error, (Preempted, KeyboardInterrupt)) else "failed"
+        )
         for tracker in self._trackers:
-            tracker.close()
+            tracker.close(outcome)
         self._trackers = []
 
 

@@ -85,8 +85,8 @@ class MLflowTracker:
     def log(self, record: dict[str, Any]) -> None:
         self._mlflow.log_metrics(numbers(record), step=record["step"])
 
-    def close(self) -> None:
-        self._mlflow.end_run()
+    def close(self, outcome: str = "finished") -> None:
+        self._mlflow.end_run(status=outcome.upper())  # FINISHED, FAILED or KILLED
 
 
 class WandbTracker:
@@ -109,8 +109,8 @@ class WandbTracker:
     def log(self, record: dict[str, Any]) -> None:
         self._run.log(numbers(record), step=record["step"])
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, outcome: str = "finished") -> None:
+        self._run.finish(exit_code=0 if outcome == "finished" else 1)  # W&B marks a non-zero exit failed
 
 
 def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], resuming: bool = False) -> list[Any]:

@@ -193,7 +193,7 @@ class Trainer:
             held.callback(lambda: distributed.stop(session, self._left_together))
             held.callback(claim.release)
             held.callback(lambda: None if self._left_together else claim.forget(self.step, monitor.close))
-            held.callback(monitor.close)
+            held.push(lambda _kind, error, _trace: monitor.close(error))  # a failed run: trackers say so
             held.enter_context(stopping.request)  # SIGTERM asks the run to stop: see stopping.py
             held.callback(profiler.close)
             watch.start()
