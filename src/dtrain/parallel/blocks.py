@@ -56,6 +56,7 @@ def apply_block_options(
             + ("" if tc.compile != "blocks" else ", or use training.compile=model")
         )
     if tc.activation_checkpointing != "none":
+        _no_kv_cache(module)
         for block in blocks:
             block.forward = _checkpointed(block.forward, tc.activation_checkpointing)
     if tc.compile != "none":
@@ -69,6 +70,16 @@ def apply_block_options(
         for target in blocks if tc.compile == "blocks" else [module]:
             target.forward = torch.compile(target.forward)
     return blocks
+
+
+def _no_kv_cache(module: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache (training never reads it), as its own gradient
+    checkpointing does: forward appends to the cache, so the recomputation in backward would see
+    other inputs and fail ("encountered during backward but not found in storage")."""
+    for sub in module.modules():
+        hf_config = getattr(sub, "config", None)
+        if getattr(hf_config, "use_cache", None) is True:
+            hf_config.use_cache = False  # type: ignore[union-attr]
 
 
 def compiler_problem(device: torch.device | str) -> str | None:
