@@ -15,6 +15,7 @@ from dtrain.data.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
+from dtrain.rundir.lock import RunDirLock
 from helpers import WORKERS, assert_weights_close, dtrain, ok, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -317,6 +318,25 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
     (moved / "config.toml").write_text(re.sub(r'(?m)^path = ".*"$', 'path = "/gone/tokens"', config))
     elsewhere = ok(dtrain("generate", str(moved), "--prompt", "def ", "--tokens", "30", cwd=tmp_path)).stdout
     assert elsewhere == first  # the data folder gone, the run read from another folder: the same sample
+    # A run still training there (it holds run.dir's lock, as a resumed run does): the sample is said to
+    # be from its last finish's weights, and without weights yet generate says what it waits for.
+    for folder in (gpt_run, moved):
+        lock = RunDirLock(folder)
+        lock.acquire()
+        try:
+            busy = ok(dtrain("generate", str(folder), "--prompt", "def ", "--tokens", "30"))
+            assert busy.stdout == first and busy.stderr.strip() == (
+                f"note: {folder} is still training; this sample is from the model.safetensors of its last finish"
+            )
+            if folder == moved:
+                (moved / "model.safetensors").unlink()
+                waiting = dtrain("generate", str(moved))
+                assert waiting.returncode == 2 and waiting.stderr.strip() == (
+                    f"dtrain: error: {moved} is still training and has no model.safetensors yet; generate once "
+                    f"it has finished"
+                )
+        finally:
+            lock.release()
     for flags in (["--temperature", "nan"], ["--tokens", "1000000"]):
         refused = dtrain("generate", str(gpt_run), *flags)
         assert refused.returncode == 2 and refused.stderr.startswith("dtrain: error: --temperature must be a number")

@@ -3,6 +3,7 @@ tokenizer of the data it trained on — people would rather read a sample than a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,18 @@ from dtrain import models
 from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
+from dtrain.rundir.lock import RunDirLock
 
 MAX_TOKENS = 100_000  # a sample to read, not a corpus
+
+
+def _still_training(run_dir: Path) -> bool:
+    """Whether a live run holds the run.dir's lock."""
+    try:
+        RunDirLock(run_dir).check_free()
+    except DtrainError:
+        return True
+    return False
 
 
 def generate(
@@ -31,9 +42,19 @@ def generate(
 
     run_dir = Path(run_dir)
     config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
+    training = _still_training(run_dir)
     for path in (config_file, weights):
         if not path.is_file():
+            if training:
+                raise DtrainError(
+                    f"{run_dir} is still training and has no {path.name} yet; generate once it has finished"
+                )
             raise DtrainError(f"{path} does not exist: RUN_DIR must be the run.dir of a finished run")
+    if training:  # a resumed run: the weights are its last finish's, not what it is training now
+        print(
+            f"note: {run_dir} is still training; this sample is from the {weights.name} of its last finish",
+            file=sys.stderr,
+        )
     config, _ = read_config(config_file)  # a renamed key in a config.toml dtrain wrote is not the user's to fix
     if config.data.name != "tokens":
         raise DtrainError(
