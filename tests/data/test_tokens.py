@@ -372,7 +372,9 @@ def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(pre
         "optimizer.lr=0.003",
     ]
     whole = tmp_path / "whole"
-    ok(dtrain(*launch, "--run-dir", str(whole), *plan))
+    said = ok(dtrain(*launch, "--run-dir", str(whole), *plan)).stderr.splitlines()
+    hf_warnings = [line for line in said if line.startswith("[transformers]")]
+    assert len(hf_warnings) == len(set(hf_warnings)), said  # rank 0's, not one copy per rank
     lines = train_lines(whole)
     assert len(lines) == 10 and lines[-1]["loss"] < lines[0]["loss"] - 0.1  # it learns
     assert lines[0]["tokens_per_s"] == pytest.approx(lines[0]["samples_per_s"] * 32)

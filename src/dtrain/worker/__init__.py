@@ -62,6 +62,9 @@ def as_worker(work: Callable[[], Any]) -> int:
     """
     distributed.die_with_the_launcher()
     env = _env_or_single()
+    if env.rank != 0:
+        # Hugging Face libraries warn once per process: rank 0 says it, the others would repeat it.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     code = _run_reported(work, env.rank)
     if env.world_size > 1:
         distributed.end_worker_process(code)
