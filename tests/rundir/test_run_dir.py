@@ -219,3 +219,16 @@ def test_the_api_refuses_before_training_what_the_launcher_would(tmp_path):
     ):
         trainer.fit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no lock, no outputs left
+
+
+def test_the_room_asked_for_the_final_weights_is_what_the_file_takes(tmp_path):
+    """The GPT ties its output layer to its token embedding: the file holds that tensor once, so the
+    room asked for beforehand must not count it twice (a run that fits would be refused)."""
+    from dtrain.checkpoint.export import save_final_weights
+    from dtrain.models.gpt import GPT
+    from dtrain.rundir.claim import weights_bytes
+
+    model = GPT(512, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    save_final_weights(model.state_dict(), tmp_path / "model.safetensors")
+    written = (tmp_path / "model.safetensors").stat().st_size
+    assert written <= weights_bytes(model) <= written + (64 << 10)

@@ -71,5 +71,9 @@ class RunDirClaim:
 
 
 def weights_bytes(module: nn.Module) -> int:
-    """About the size of model.safetensors: every tensor of the state dict, plus room for its header."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values()) + (64 << 10)
+    """About the size of model.safetensors: every tensor of the state dict, those stored under several
+    names (tied embeddings) once, as the file holds them, plus room for its header."""
+    # keep_vars: the parameters themselves, so a tied one is the same object under both names (and a
+    # sharded DTensor counts whole, as the gathered file holds it).
+    sizes = {id(t): t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values()}
+    return sum(sizes.values()) + (64 << 10)
