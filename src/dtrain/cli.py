@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dtrain import __version__
+from dtrain import __version__, console
 from dtrain.config import idle_settings, read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
 
@@ -332,6 +332,7 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.outlive_the_reader()  # a run stopped with its `| tee` must still write its checkpoint
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())

@@ -13,6 +13,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from dtrain import console
 from dtrain.errors import DtrainError
 from dtrain.worker import as_worker
 
@@ -31,6 +32,7 @@ def run_script(argv: Sequence[str]) -> None:
 
 
 def main() -> int:
+    console.outlive_the_reader()  # as `dtrain run`'s workers: a script's print never ends a stopping run
     return as_worker(lambda: run_script(sys.argv[1:]))
 
 

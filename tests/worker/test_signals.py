@@ -1,0 +1,68 @@
+"""SIGTERM at every moment of a run, as schedulers send it: the job exits 75 (requeue) and what it
+trained is kept — a sealed checkpoint or the final weights — so the same command continues."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dtrain.checkpoint import CheckpointStore
+from helpers import ROOT, SMALL_JOB, TIMEOUT, dtrain, env, ok
+
+SLOW_JOB = [*SMALL_JOB, "training.epochs=50", "training.log_every=1", "model.name=faults:dying_mlp"]
+
+
+def start(run_dir: Path, *extra: str, nproc: int = 2, step_sleep_s: float = 0.05, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "run",
+            *SLOW_JOB,
+            f"model.options={{hidden_size = 16, step_sleep_s = {step_sleep_s}}}",
+            "--nproc",
+            str(nproc),
+            f"run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=popen.pop("env", None) or env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_to_the_whole_process_group_piped_into_a_reader_leaves_a_checkpoint(tmp_path):
+    """`dtrain run ... | tee log` stopped as a scheduler does, `kill -TERM -PGID`: the reader dies with
+    the group at once, so the workers' next console line has nowhere to go. The run still writes its
+    checkpoint, exits 75, and the same command resumes from it."""
+    proc = start(tmp_path, start_new_session=True)  # its own process group, as a job's
+    wait_for(lambda: logged_steps(tmp_path) >= 3 or proc.poll() is not None, "training to start")
+    proc.stdout.close()  # the reader is gone (tee, killed by the same signal)
+    proc.stderr.close()
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=TIMEOUT) == 75
+    complete = CheckpointStore(tmp_path).complete()
+    assert len(complete) == 1, sorted(p.name for p in tmp_path.iterdir())
+    resumed = dtrain(
+        "run", *SLOW_JOB, "model.options={hidden_size = 16}", "--nproc", "2", f"run.dir={tmp_path}", "training.epochs=2"
+    )
+    ok(resumed)
+    assert f"resumed from {complete[0].path}" in resumed.stderr
