@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dtrain import __version__, console
+from dtrain import __version__, console, early_stop
 from dtrain.config import idle_settings, read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
 
@@ -332,6 +332,7 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    early_stop.install()  # before torch is imported: SIGTERM in the first second still exits 75
     console.outlive_the_reader()  # a run stopped with its `| tee` must still write its checkpoint
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dtrain.checkpoint import CheckpointStore
 from helpers import ROOT, SMALL_JOB, TIMEOUT, dtrain, env, ok
 
@@ -66,3 +68,46 @@ def test_sigterm_to_the_whole_process_group_piped_into_a_reader_leaves_a_checkpo
     )
     ok(resumed)
     assert f"resumed from {complete[0].path}" in resumed.stderr
+
+
+# --- before training begins ------------------------------------------------------------------------
+
+FAULTS = str(Path(__file__).resolve().parent.parent / "workers" / "process_faults")
+
+
+def sigterm_at_import(module: str, run_dir: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    """The small job, with a SIGTERM landing in the middle of importing `module` (see sitecustomize.py)."""
+    pythonpath = os.pathsep.join([FAULTS, env()["PYTHONPATH"]])
+    return dtrain(
+        "run",
+        *SMALL_JOB,
+        "--nproc",
+        str(nproc),
+        f"run.dir={run_dir}",
+        *extra,
+        extra_env={"SIGTERM_AT_IMPORT": module, "PYTHONPATH": pythonpath},
+    )
+
+
+BEFORE = "dtrain: stopped by SIGTERM before training began; nothing to save — rerun the same command to start"
+
+
+@pytest.mark.parametrize("nproc, where", [(1, ""), (2, "@launcher"), (2, "@worker")])
+def test_sigterm_at_import_time_exits_75_with_one_line(tmp_path, nproc, where):
+    """A scheduler's SIGTERM in the first second, while torch is importing — in the only process, in
+    the launcher, or in every worker — ends the job with 75 (requeue), not 143, and dtrain's one line."""
+    result = sigterm_at_import(f"torch{where}", tmp_path / "run", nproc)
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.count(BEFORE) == 1, result.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(tmp_path):
+    """SIGTERM on rank 0 once run.dir is taken and its outputs begun (TensorBoard importing), before the
+    first step: both ranks stop (75, the one line), and the new run's outputs are removed, so the same
+    command starts afresh instead of being refused as an earlier run."""
+    result = sigterm_at_import("torch.utils.tensorboard@rank0", tmp_path, 2)
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.count(BEFORE) == 1, result.stderr
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+    ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path}"))

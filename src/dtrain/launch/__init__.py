@@ -369,6 +369,8 @@ def _print_first_failure(exc: ChildFailedError) -> int:
         if said is not None:
             print(f"dtrain: error: {said.message}", file=sys.stderr, flush=True)
             return code
+    if any(f.exitcode == EXIT_REQUEUE for f in exc.failures.values()):
+        return EXIT_REQUEUE  # stopped by SIGTERM (a worker's own, not the launcher's): rank 0 said so
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
     else:

@@ -12,23 +12,28 @@ import signal
 import threading
 from pathlib import Path
 
-from dtrain import distributed
+from dtrain import distributed, early_stop
 from dtrain.config import CheckpointConfig, TrainingConfig
 from dtrain.errors import Preempted
 
 
 class StopRequest:
+    """SIGTERM sets `requested`, from `install()` (before anything is written to run.dir) to `uninstall()`."""
+
     def __init__(self):
         self.requested = False
         self._previous = None
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+        # Signals reach the main thread only; installed twice (set-up, then fit) it stays one handler.
+        if threading.current_thread() is threading.main_thread() and self._previous is None:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def uninstall(self) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            # The command line's early handler says "before training began": past training, the default.
+            previous = signal.SIG_DFL if early_stop.installed(self._previous) else self._previous
+            signal.signal(signal.SIGTERM, previous)
             self._previous = None
 
     def __enter__(self) -> StopRequest:
@@ -46,9 +51,15 @@ class StopAgreement:
     """When the group stops before its planned end, every rank at the same step: on SIGTERM (this rank's
     `request`, agreed at log steps and, for slow steps, between them) or at `training.stop_at_step`."""
 
-    def __init__(self, training: TrainingConfig, checkpoint: CheckpointConfig, world_size: int):
+    def __init__(
+        self,
+        training: TrainingConfig,
+        checkpoint: CheckpointConfig,
+        world_size: int,
+        request: StopRequest | None = None,
+    ):
         self.training, self.checkpoint, self.world_size = training, checkpoint, world_size
-        self.request = StopRequest()
+        self.request = request or StopRequest()
         self.check_every = training.log_every  # steps between agreements off log steps: see pace
 
     def step_reached(self, step: int, total_steps: int) -> bool:
@@ -56,6 +67,13 @@ class StopAgreement:
         checkpoint is written there too, so the command without it continues or finds the run complete)."""
         stop_at = self.training.stop_at_step
         return stop_at > 0 and step >= min(stop_at, total_steps)
+
+    def before_training(self) -> bool:
+        """Whether a SIGTERM came during set-up (on any rank: one gather, once): the group stops before
+        its first step."""
+        if self.world_size == 1:
+            return self.request.requested
+        return any(distributed.gather_objects(self.request.requested))
 
     def between_log_steps(self, step: int) -> bool:
         """At a step that logs nothing, whether the group stops (SIGTERM): a lone process has nobody to
@@ -94,6 +112,14 @@ class StopAgreement:
         return Preempted(
             f"stopped by SIGTERM at step {step}; checkpoint written to {checkpoints}/step-{step}; rerun the "
             f"same command to resume"
+        )
+
+    def preempted_before_training(self, step: int) -> Preempted:
+        if step == 0:
+            return Preempted(early_stop.NOTHING_TO_SAVE)
+        return Preempted(
+            f"{early_stop.BEFORE_TRAINING}; checkpoint step-{step} is still the newest — rerun the same command "
+            f"to resume"
         )
 
     def stopped_early(self, step: int, first_step: int) -> str:

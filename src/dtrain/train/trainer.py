@@ -42,7 +42,7 @@ from dtrain.train.compiling import compiling_step
 from dtrain.train.evaluation import EvalMetrics, Evaluator
 from dtrain.train.loss import LossFn, LossOf, StepFn
 from dtrain.train.optim import build_optimizer, build_scheduler, planned_steps
-from dtrain.train.stopping import StopAgreement
+from dtrain.train.stopping import StopAgreement, StopRequest
 
 
 class Trainer:
@@ -100,6 +100,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.monitor: Monitor | None = None
         self._lr, self._left_together = 0.0, False  # the last step's lr (logged); every rank left fit() in step
+        self.stop_request = StopRequest()  # SIGTERM's flag, from set-up on: see stopping.py
 
     @property
     def parallel(self) -> parallel.Strategy | None:
@@ -126,6 +127,7 @@ class Trainer:
             self._build(self.session)
             self._resume(self.session, self.claim)
         except BaseException as exc:
+            self.stop_request.uninstall()
             self.claim.forget(self.step, self.monitor.close if self.monitor else None)
             self.claim.release(remove_if_created=True)
             distributed.stop(self.session)
@@ -163,6 +165,7 @@ class Trainer:
         """Claim run.dir, resume from its newest checkpoint (if any), and start the run's outputs."""
         assert self.optimizer and self.scheduler and self.precision and self.metrics and self.train_batches
         cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps
+        self.stop_request.install()  # from here a SIGTERM must not end the process mid-write
         claim.take(self.module)
         held = (self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank, session.world_size)
         per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
@@ -184,7 +187,7 @@ class Trainer:
         assert self.session and self.claim and self.monitor and self.timer
         cfg, session, claim, monitor = self.config, self.session, self.claim, self.monitor
         rank, world, cuda = session.rank, session.world_size, session.device.type == "cuda"
-        stopping = StopAgreement(cfg.training, cfg.checkpoint, world)
+        stopping = StopAgreement(cfg.training, cfg.checkpoint, world, self.stop_request)
         profiler = StepProfiler(profile_range(cfg.profile.steps), self.run_dir, rank, cuda)
         self.timer.progress.step = self.step
         watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, rank, world, self.run_dir)
@@ -198,7 +201,12 @@ class Trainer:
             held.callback(profiler.close)
             watch.start()
             held.callback(watch.stop)
-            distributed.barrier()  # rank 0's extra set-up (TensorBoard, files) must not count as others' waiting
+            # One gather (also the barrier keeping rank 0's extra set-up out of the others' waiting): a
+            # SIGTERM during set-up stops the group before its first step; a new run leaves nothing behind.
+            if stopping.before_training():
+                claim.forget(self.step, monitor.close)
+                self._left_together = True
+                raise stopping.preempted_before_training(self.step)
             with advice.out_of_memory_said(lambda exc: self._out_of_memory(f"at step {self.step + 1}", exc)):
                 return self._train(stopping, profiler)
 

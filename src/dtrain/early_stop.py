@@ -1,0 +1,39 @@
+"""SIGTERM before training begins: exit 75 with dtrain's own line, not 143 in the middle of an import.
+
+A scheduler may stop a job at any moment, also in its first second, while torch is still importing.
+The command line installs this handler first thing, before any heavy import: nothing has been written
+yet, so there is nothing to save and the process may end at once (os._exit: no teardown of a
+half-imported torch; a run.dir lock taken by the launcher's checks is a flock the kernel drops). The
+Trainer's StopRequest replaces it before anything is written to run.dir. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from dtrain.errors import EXIT_REQUEUE
+
+# Said by the Trainer too, for a SIGTERM during its set-up (train.stopping).
+BEFORE_TRAINING = "stopped by SIGTERM before training began"
+NOTHING_TO_SAVE = f"{BEFORE_TRAINING}; nothing to save — rerun the same command to start"
+
+
+def _stop(signum: int, frame: object) -> None:
+    if os.environ.get("RANK", "0") == "0":  # said once: by the launcher, or by rank 0 of the workers
+        try:
+            print(f"dtrain: {NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
+        except Exception:  # a console gone is no reason to stay
+            pass
+    os._exit(EXIT_REQUEUE)
+
+
+def install() -> None:
+    """From now until the Trainer takes over, SIGTERM ends this process with 75 and one line."""
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def installed(handler: object) -> bool:
+    """Whether `handler` (what signal.signal returned) is this module's."""
+    return handler is _stop
