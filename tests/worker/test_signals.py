@@ -111,3 +111,35 @@ def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(tm
     assert result.stderr.count(BEFORE) == 1, result.stderr
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
     ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path}"))
+
+
+# --- while writing -------------------------------------------------------------------------------
+
+
+def slow_disk(for_files: str, note: Path, seconds: float = 1.0) -> dict[str, str]:
+    """The environment for a job whose fsyncs of files with `for_files` in their path take `seconds`."""
+    return env(
+        PYTHONPATH=os.pathsep.join([FAULTS, env()["PYTHONPATH"]]),
+        SLOW_FSYNC=f"{for_files}:{seconds}",
+        SLOW_FSYNC_NOTE=str(note),
+    )
+
+
+def test_a_second_sigterm_during_the_checkpoint_write_still_leaves_a_sealed_checkpoint(tmp_path):
+    """SIGTERM, and while the checkpoint it asked for is being written (a slow disk), SIGTERM again and
+    again — a scheduler repeating itself, an impatient user: the launcher keeps waiting for the workers
+    instead of leaving (which would take them down mid-write), the checkpoint is sealed, the job exits
+    75. (torch's agent survives one repeat by accident, starting its wait over; not a second.)"""
+    run_dir, note = tmp_path / "run", tmp_path / "fsyncs"
+    proc = start(run_dir, env=slow_disk(".partial-step-", note))
+    wait_for(lambda: logged_steps(run_dir) >= 3 or proc.poll() is not None, "training to start")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: note.exists() or proc.poll() is not None, "the checkpoint write")
+    for _ in range(3):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    complete = CheckpointStore(run_dir).complete()
+    assert len(complete) == 1, err
+    assert f"stopped by SIGTERM at step {complete[0].step}" in err

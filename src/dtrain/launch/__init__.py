@@ -22,6 +22,8 @@ from dtrain.distributed.waiting import WaitReport
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
@@ -331,6 +333,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         if wait:
             wait.over()
     _quiet_elastic_logs()
+    _sigterm_once()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
         with _peers_report(spec):  # over before any line below: the give-up line comes last
@@ -358,6 +361,32 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
             flush=True,
         )
         return 1
+
+
+def _sigterm_once() -> None:
+    """Have the elastic agent act on the first SIGTERM only. Its handler raises SignalException on
+    every one; the first starts the shutdown (SIGTERM to the workers, `checkpoint.preempt_grace_s` for
+    their checkpoint, then SIGKILL), and a repeat during that wait — a scheduler saying it again, an
+    impatient user — would abort it: the launcher would exit and its workers die with it
+    (`die_with_the_launcher`), mid-checkpoint. torch installs the handler by this module-level name
+    when it starts the workers."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler
+    if getattr(raise_signal, "dtrain_once", False):
+        return
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if signum == signal.SIGTERM:
+            if stopping:
+                return  # the workers were told; the grace runs from the first
+            stopping = True
+        raise_signal(signum, frame)
+
+    on_signal.dtrain_once = True  # type: ignore[attr-defined]
+    api._terminate_process_handler = on_signal
 
 
 def _print_first_failure(exc: ChildFailedError) -> int:
