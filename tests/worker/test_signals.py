@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint import CheckpointStore
-from helpers import ROOT, SMALL_JOB, TIMEOUT, dtrain, env, ok
+from helpers import ROOT, SMALL_JOB, TIMEOUT, dtrain, env, ok, weights
 
 SLOW_JOB = [*SMALL_JOB, "training.epochs=50", "training.log_every=1", "model.name=faults:dying_mlp"]
 
@@ -143,3 +143,26 @@ def test_a_second_sigterm_during_the_checkpoint_write_still_leaves_a_sealed_chec
     complete = CheckpointStore(run_dir).complete()
     assert len(complete) == 1, err
     assert f"stopped by SIGTERM at step {complete[0].step}" in err
+
+
+def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_requeue_finds_complete(tmp_path):
+    """SIGTERM while model.safetensors is being written (a slow disk): the weights are finished, the
+    trained state is also sealed as a checkpoint of the last step, and the job exits 75 — so the rerun a
+    scheduler makes on 75 finds the run complete (exit 0) instead of refusing an earlier run's run.dir."""
+    run_dir, note = tmp_path / "run", tmp_path / "fsyncs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *SMALL_JOB, "--nproc", "2", f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env=slow_disk("model.safetensors", note, seconds=2.0),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: note.exists() or proc.poll() is not None, "the final weights' write")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    assert weights(run_dir).keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}  # whole, loadable
+    complete = CheckpointStore(run_dir).complete()
+    assert [c.step for c in complete] == [16], err  # the last step (2 epochs of 8)
+    ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={run_dir}"))

@@ -68,9 +68,9 @@ class StopAgreement:
         stop_at = self.training.stop_at_step
         return stop_at > 0 and step >= min(stop_at, total_steps)
 
-    def before_training(self) -> bool:
-        """Whether a SIGTERM came during set-up (on any rank: one gather, once): the group stops before
-        its first step."""
+    def requested_by_any(self) -> bool:
+        """Whether any rank got SIGTERM so far (one gather): asked before the first step (a SIGTERM
+        during set-up stops the group there) and after the last (see Trainer._train)."""
         if self.world_size == 1:
             return self.request.requested
         return any(distributed.gather_objects(self.request.requested))

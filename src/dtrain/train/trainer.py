@@ -203,7 +203,7 @@ class Trainer:
             held.callback(watch.stop)
             # One gather (also the barrier keeping rank 0's extra set-up out of the others' waiting): a
             # SIGTERM during set-up stops the group before its first step; a new run leaves nothing behind.
-            if stopping.before_training():
+            if stopping.requested_by_any():
                 claim.forget(self.step, monitor.close)
                 self._left_together = True
                 raise stopping.preempted_before_training(self.step)
@@ -256,6 +256,9 @@ class Trainer:
             state = self.strategy.full_state_dict()  # a collective under FSDP
             path, main, save = self.run_dir / "model.safetensors", self.session.is_main, self._save_checkpoint
             export.write_final_weights(state, path, main, self.checkpointer, self.step, save)
+            # SIGTERM near the end: the scheduler reruns on 75, and the rerun must find the run complete.
+            if stopping.requested_by_any() and self.checkpointer.last_saved_step != self.step:
+                self._save_checkpoint()
         distributed.barrier()
         self._left_together = True
         return last
