@@ -3,6 +3,7 @@ trained is kept — a sealed checkpoint or the final weights — so the same com
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -166,3 +167,47 @@ def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_req
     complete = CheckpointStore(run_dir).complete()
     assert [c.step for c in complete] == [16], err  # the last step (2 epochs of 8)
     ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={run_dir}"))
+
+
+# --- while the nodes join ------------------------------------------------------------------------
+
+
+def listening(port: int) -> bool:
+    """Whether something on this machine listens on TCP `port` (read from /proc: nothing connects)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_ctrl_c_or_sigterm_while_the_first_node_waits_for_the_others_ends_it_at_once(tmp_path, signum, code):
+    """The first node of a static rendezvous (--node-rank 0) waits for the others inside one C++ call:
+    Ctrl-C there did nothing until the rendezvous timed out (minutes). Now the node ends within seconds,
+    quietly on Ctrl-C (130), with dtrain's line on SIGTERM (75) — never a C++ frame or a traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *SMALL_JOB, f"run.dir={tmp_path}"]
+        + ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: listening(port) or proc.poll() is not None, "the rendezvous store")
+    time.sleep(0.5)  # inside the wait for the other node
+    proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still waiting 10 s after the signal:\n{proc.communicate()[1]}") from None
+    assert proc.returncode == code, err
+    assert "frame #" not in err and "Traceback" not in err, err
+    assert err.count(BEFORE) == (signum == signal.SIGTERM), err

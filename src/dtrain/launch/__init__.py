@@ -12,11 +12,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtrain import distributed
+from dtrain import distributed, early_stop
 from dtrain.distributed import netaddr
 from dtrain.distributed.waiting import WaitReport
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
@@ -334,6 +335,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
             wait.over()
     _quiet_elastic_logs()
     _sigterm_once()
+    _signals_reach_a_joining_node()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
         with _peers_report(spec):  # over before any line below: the give-up line comes last
@@ -387,6 +389,40 @@ def _sigterm_once() -> None:
 
     on_signal.dtrain_once = True  # type: ignore[attr-defined]
     api._terminate_process_handler = on_signal
+
+
+def _signals_reach_a_joining_node(patience_s: float = 1.0) -> None:
+    """Ctrl-C and SIGTERM end a node that is still joining. torch's static rendezvous (--node-rank)
+    waits for the other nodes inside one C++ call (the TCPStore's constructor), where Python's signal
+    handlers never run: the signal did nothing until the rendezvous timed out, minutes later. A thread
+    woken by every signal (the interpreter writes its number to `set_wakeup_fd`) ends the process when
+    the main thread has not, within `patience_s`, and no worker was started yet (torch's own handler,
+    installed as it starts them, then handles the signal). Nothing is written before workers start."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:
+        return
+    from torch.distributed.elastic.multiprocessing import api
+
+    def watch() -> None:
+        while True:
+            signum = os.read(read_end, 1)[0]
+            if signum not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            time.sleep(patience_s)
+            if signal.getsignal(signum) is api._terminate_process_handler:
+                continue  # workers exist: the agent stops them
+            if signum == signal.SIGTERM:
+                with contextlib.suppress(Exception):
+                    print(f"dtrain: {early_stop.NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
+                os._exit(EXIT_REQUEUE)
+            os._exit(128 + signal.SIGINT)
+
+    threading.Thread(target=watch, name="dtrain-signals-while-joining", daemon=True).start()
 
 
 def _print_first_failure(exc: ChildFailedError) -> int:
