@@ -103,6 +103,22 @@ def test_sigterm_at_import_time_exits_75_with_one_line(tmp_path, nproc, where):
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
+def test_sigterm_to_the_launcher_while_its_workers_import_torch_says_dtrains_line(tmp_path):
+    """The launcher's SIGTERM reaches the workers (torch's agent passes it on) while they import torch:
+    not only torch's "Received 15 death signal", but dtrain's own line, once; exit 75."""
+    pythonpath = os.pathsep.join([FAULTS, env()["PYTHONPATH"]])
+    result = dtrain(
+        "run",
+        *SMALL_JOB,
+        "--nproc",
+        "2",
+        f"run.dir={tmp_path / 'run'}",
+        extra_env={"SIGTERM_AT_IMPORT": "torch@rank0", "SIGTERM_AT_IMPORT_TO": "parent", "PYTHONPATH": pythonpath},
+    )
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.count(BEFORE) == 1, result.stderr
+
+
 def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(tmp_path):
     """SIGTERM on rank 0 once run.dir is taken and its outputs begun (TensorBoard importing), before the
     first step: both ranks stop (75, the one line), and the new run's outputs are removed, so the same

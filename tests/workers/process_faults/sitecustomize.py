@@ -2,7 +2,8 @@
 
 SIGTERM_AT_IMPORT=MODULE[@WHERE]: the process sends itself SIGTERM when it first imports MODULE, as a
 scheduler's signal would land while torch is importing (WHERE: `launcher`, `worker` or `rank0`; any
-process if omitted).
+process if omitted). With SIGTERM_AT_IMPORT_TO=parent the signal goes to the parent instead (a
+worker's: the launcher).
 
 SLOW_FSYNC=TEXT:SECONDS: a slow disk for the files whose path contains TEXT — each fsync of one takes
 SECONDS longer, and its path is appended to SLOW_FSYNC_NOTE (a file) when it starts, so a test knows
@@ -28,7 +29,8 @@ class _SigtermOnImport:
     def find_spec(self, name, path=None, target=None):
         if name == _module:
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: inside the import
+            to_parent = os.environ.get("SIGTERM_AT_IMPORT_TO") == "parent"
+            os.kill(os.getppid() if to_parent else os.getpid(), signal.SIGTERM)  # handled inside the import
         return None  # the import itself goes on as usual
 
 
