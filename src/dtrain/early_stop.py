@@ -9,9 +9,13 @@ Trainer's StopRequest replaces it before anything is written to run.dir. No torc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from dtrain.errors import EXIT_REQUEUE
 
@@ -20,12 +24,25 @@ BEFORE_TRAINING = "stopped by SIGTERM before training began"
 NOTHING_TO_SAVE = f"{BEFORE_TRAINING}; nothing to save — rerun the same command to start"
 
 
+def launcher_stopping_mark(launcher_pid: int | str) -> Path:
+    """A file dtrain's launcher creates on its own SIGTERM, before torch's agent passes it on to the
+    workers: then rank 0 says the line itself (the launcher cannot see the workers' exits)."""
+    return Path(tempfile.gettempdir()) / f"dtrain-launcher-{launcher_pid}-stopping"
+
+
 def _stop(signum: int, frame: object) -> None:
-    if os.environ.get("RANK", "0") == "0":  # said once: by the launcher, or by rank 0 of the workers
-        try:
+    launcher = os.environ.get("DTRAIN_LAUNCHED")  # distributed.LAUNCHED_BY_DTRAIN: the launcher's pid
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        if launcher and error_file and not launcher_stopping_mark(launcher).exists():
+            # Told by the launcher, as failures are: it says the line once, unless another worker's
+            # failure is what stopped the group (torch's agent SIGTERMs the workers left then).
+            with open(error_file, "w") as fh:
+                json.dump({"message": NOTHING_TO_SAVE, "timestamp": int(time.time())}, fh)
+        elif os.environ.get("RANK", "0") == "0":  # said once: by the launcher, or by rank 0
             print(f"dtrain: {NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
-        except Exception:  # a console gone is no reason to stay
-            pass
+    except Exception:  # a console or file gone is no reason to stay
+        pass
     os._exit(EXIT_REQUEUE)
 
 

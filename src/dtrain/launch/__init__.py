@@ -385,10 +385,22 @@ def _sigterm_once() -> None:
             if stopping:
                 return  # the workers were told; the grace runs from the first
             stopping = True
+            _mark_stopping()
         raise_signal(signum, frame)
 
     on_signal.dtrain_once = True  # type: ignore[attr-defined]
     api._terminate_process_handler = on_signal
+
+
+def _mark_stopping() -> None:
+    """Tell this launcher's workers that the SIGTERM they are about to get is a preemption (see
+    early_stop.launcher_stopping_mark); the mark goes when the launcher does."""
+    import atexit
+
+    mark = early_stop.launcher_stopping_mark(os.getpid())
+    with contextlib.suppress(OSError):
+        mark.touch()
+        atexit.register(lambda: mark.unlink(missing_ok=True))
 
 
 def _signals_reach_a_joining_node(patience_s: float = 1.0) -> None:
@@ -434,8 +446,12 @@ def _print_first_failure(exc: ChildFailedError) -> int:
         if said is not None:
             print(f"dtrain: error: {said.message}", file=sys.stderr, flush=True)
             return code
-    if any(f.exitcode == EXIT_REQUEUE for f in exc.failures.values()):
-        return EXIT_REQUEUE  # stopped by SIGTERM (a worker's own, not the launcher's): rank 0 said so
+    requeue = [f for f in exc.failures.values() if f.exitcode == EXIT_REQUEUE]
+    if requeue:  # workers stopped by a SIGTERM of their own (not the launcher's)
+        line = next((f.message for f in requeue if f.message and "pytorch.org/docs" not in f.message), None)
+        if line:  # before training (early_stop); after it, rank 0 said where its checkpoint is
+            print(f"dtrain: {line}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
     else:
