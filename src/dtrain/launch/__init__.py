@@ -6,25 +6,18 @@ sensible thread count, runs the elastic agent, and turns a failed group into one
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtrain import distributed, early_stop
+from dtrain import distributed
 from dtrain.distributed import netaddr
-from dtrain.distributed.waiting import WaitReport
-from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError, EnvironmentProblem
+from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError
 
 if TYPE_CHECKING:
-    from types import FrameType
-
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
@@ -129,179 +122,10 @@ def torchrun_args(
     return args + entry
 
 
-class _Wait:
-    """Waiting for the rendezvous endpoint until a deadline: said after a moment and then at a slow
-    pace (`WaitReport`), given up in one line. `server` is who serves the endpoint; `knob` what sets
-    the wait, `knobs` what sets the address and the wait."""
+from dtrain.launch.signals import signals_reach_a_joining_node, sigterm_once  # noqa: E402
+from dtrain.launch.waits import EndpointWait, own_address, peers_report, wait_for_endpoint, wait_for_rank0  # noqa: E402
 
-    def __init__(
-        self,
-        endpoint: str,
-        timeout: float,
-        server: str = "the first node",
-        knob: str = "--rdzv-timeout",
-        knobs: str = "--rdzv-timeout sets the wait",
-    ):
-        self.endpoint, self.timeout, self.server, self.knob, self.knobs = endpoint, timeout, server, knob, knobs
-        self.deadline = time.monotonic() + timeout
-        self.reason = ""
-        self._report = WaitReport(self._line)
-
-    def _line(self) -> str:
-        left = self.deadline - time.monotonic()
-        if left < 1:  # the give-up line is due
-            return ""
-        return (
-            f"waiting for the rendezvous at {self.endpoint} ({self.server} serves it; {self.reason}), "
-            f"giving up in {left:.0f} s ({self.knob})"
-        )
-
-    def again(self, reason: str) -> None:
-        """Note why the wait goes on and sleep a little; or give up, past the deadline."""
-        self.reason = reason
-        if time.monotonic() >= self.deadline:
-            self.over()
-            start = "the job on the node" if self.server == "the first node" else self.server
-            raise EnvironmentProblem(
-                f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
-                f"{start} at that address, or check the address, the port and the firewall "
-                f"({self.knobs})"
-            )
-        self._report.start()
-        time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
-
-    def over(self) -> None:
-        self._report.stop()
-
-
-def _own_address(spec: LaunchSpec, wait: _Wait | None) -> tuple[str | None, bool]:
-    """This node's address and whether it hosts the rendezvous (multi-node only). An endpoint whose
-    name does not resolve yet (a Kubernetes service, a SLURM head node starting) is waited for."""
-    if not spec.rdzv_endpoint or wait is None:
-        return spec.local_addr, False
-    host = spec.rdzv_endpoint.rpartition(":")[0]
-    while True:
-        try:
-            local, is_host = netaddr.node_address(host)
-            break
-        except socket.gaierror as exc:
-            wait.again(f"{host} does not resolve: {exc.strerror}")
-        except OSError as exc:
-            # No route, or no node could have the address: no wait would ever end.
-            raise EnvironmentProblem(
-                f"--rdzv-endpoint {spec.rdzv_endpoint} cannot be reached from this node "
-                f"({exc.strerror or exc}): give an address of the first node that every node can reach"
-            ) from None
-    if spec.local_addr:
-        try:
-            is_host = is_host or netaddr.resolve(host) == netaddr.resolve(spec.local_addr)
-        except OSError as exc:
-            raise EnvironmentProblem(
-                f"--local-addr {spec.local_addr} does not resolve ({exc.strerror or exc}); give "
-                f"this node's address as the other nodes reach it"
-            ) from None
-        local = spec.local_addr
-    return local, is_host
-
-
-def wait_for_endpoint(wait: _Wait) -> None:
-    """Wait until something listens at the rendezvous endpoint (the first node's store). Left to torch,
-    an endpoint that is not up yet fills the screen with C++ stack traces and ends in an exception a
-    minute or more later."""
-    host, _, port = wait.endpoint.rpartition(":")
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, wait.timeout)):
-                return
-        except OSError as exc:
-            wait.again(exc.strerror or type(exc).__name__)
-
-
-def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
-    """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
-    waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
-    if env.world_size > 1 and env.rank != 0:
-        wait = _Wait(
-            f"{env.master_addr}:{env.master_port}",
-            timeout,
-            server="rank 0",
-            knob="distributed.timeout_s",
-            knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
-        )
-        try:
-            wait_for_endpoint(wait)
-        finally:
-            wait.over()
-
-
-def _peers_report(spec: LaunchSpec) -> WaitReport | contextlib.nullcontext:
-    """While torchrun's rendezvous waits for the other nodes (in C++, silent), say so: under c10d how
-    many are still missing, read from the rendezvous state in the store at the endpoint; under the
-    static rendezvous (--node-rank) node 0's store counts them out of reach, so only that it waits.
-    Over once the group formed. A static node other than 0 only connects, waited for beforehand."""
-    if not spec.multi_node or spec.node_rank not in (None, 0) or not spec.rdzv_endpoint:
-        return contextlib.nullcontext()
-    endpoint, deadline = spec.rdzv_endpoint, time.monotonic() + spec.rdzv_timeout
-
-    def line() -> str | None:
-        if spec.node_rank is None:
-            joined = _rendezvous_joined(endpoint, spec.rdzv_id)
-        else:
-            joined = True if _workers_started() else None
-        if joined is True:
-            return None  # the group formed: the workers start
-        if deadline - time.monotonic() < 1:  # torch gives up a moment after the deadline, and says so
-            return ""
-        left = f"giving up in {deadline - time.monotonic():.0f} s (--rdzv-timeout)"
-        if joined is None:  # the state cannot be read: say what is known
-            return f"waiting for the other nodes at {endpoint} (--nnodes {spec.nnodes}), {left}"
-        missing = spec.min_nodes - joined
-        if missing <= 0:
-            return ""  # enough nodes: an elastic range waits a last call for more, then starts
-        nodes = f"{missing} more node{'s' if missing > 1 else ''}"
-        return f"waiting for {nodes} at {endpoint} (--nnodes {spec.nnodes}), {left}"
-
-    return WaitReport(line)
-
-
-def _workers_started() -> bool:
-    """Whether this launcher has a child process yet: torchrun starts the workers once the group formed."""
-    me = str(os.getpid())
-    for entry in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:  # "PID (COMM) STATE PPID ..."
-                if entry.name.isdigit() and stat.read().rpartition(")")[2].split()[1] == me:
-                    return True
-        except (OSError, IndexError):
-            continue  # gone meanwhile, or not a process
-    return False
-
-
-def _rendezvous_joined(endpoint: str, run_id: str) -> int | bool | None:
-    """How many nodes have joined the c10d rendezvous `run_id` at `endpoint` so far; True once it is
-    complete; None when its state cannot be read. The state is the one torch's C10dRendezvousBackend
-    keeps in the store: a pickled _RendezvousState, base64-encoded, under torch.rendezvous.RUN_ID."""
-    import datetime
-    import pickle
-    from base64 import b64decode
-
-    from torch.distributed import TCPStore
-
-    host, _, port = endpoint.rpartition(":")
-    key = f"torch.rendezvous.{run_id}"
-    try:
-        store = TCPStore(
-            host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
-        )
-        if not store.check([key]):
-            return 0
-        raw = store.get(key)
-        if raw == b"Y2FuaW1hZGFt":  # the backend's "no state yet"
-            return 0
-        state = pickle.loads(b64decode(raw))
-    except Exception:  # any failure: the count is unknown, not fatal
-        return None
-    return True if state.complete else len(state.participants)
+__all__ = ["LaunchSpec", "launch", "torchrun_args", "wait_for_endpoint", "wait_for_rank0"]
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:
@@ -320,9 +144,9 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     # Give each restarted group a fresh rendezvous store: when the workers share the agent's store, a
     # restart can read the previous attempt's addresses and hang or fail to connect (torch #135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    wait = _Wait(spec.rdzv_endpoint, spec.rdzv_timeout) if spec.rdzv_endpoint else None
+    wait = EndpointWait(spec.rdzv_endpoint, spec.rdzv_timeout) if spec.rdzv_endpoint else None
     try:
-        local_addr, is_host = _own_address(spec, wait)
+        local_addr, is_host = own_address(spec, wait)
         if local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
             interface = netaddr.interface_of(local_addr)
             if interface:  # gloo would otherwise bind whatever the hostname resolves to
@@ -334,11 +158,11 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         if wait:
             wait.over()
     _quiet_elastic_logs()
-    _sigterm_once()
-    _signals_reach_a_joining_node()
+    sigterm_once()
+    signals_reach_a_joining_node()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
-        with _peers_report(spec):  # over before any line below: the give-up line comes last
+        with peers_report(spec):  # over before any line below: the give-up line comes last
             run(args)
         return 0
     except ChildFailedError as exc:
@@ -363,78 +187,6 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
             flush=True,
         )
         return 1
-
-
-def _sigterm_once() -> None:
-    """Have the elastic agent act on the first SIGTERM only. Its handler raises SignalException on
-    every one; the first starts the shutdown (SIGTERM to the workers, `checkpoint.preempt_grace_s` for
-    their checkpoint, then SIGKILL), and a repeat during that wait — a scheduler saying it again, an
-    impatient user — would abort it: the launcher would exit and its workers die with it
-    (`die_with_the_launcher`), mid-checkpoint. torch installs the handler by this module-level name
-    when it starts the workers."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    raise_signal = api._terminate_process_handler
-    if getattr(raise_signal, "dtrain_once", False):
-        return
-    stopping = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if signum == signal.SIGTERM:
-            if stopping:
-                return  # the workers were told; the grace runs from the first
-            stopping = True
-            _mark_stopping()
-        raise_signal(signum, frame)
-
-    on_signal.dtrain_once = True  # type: ignore[attr-defined]
-    api._terminate_process_handler = on_signal
-
-
-def _mark_stopping() -> None:
-    """Tell this launcher's workers that the SIGTERM they are about to get is a preemption (see
-    early_stop.launcher_stopping_mark); the mark goes when the launcher does."""
-    import atexit
-
-    mark = early_stop.launcher_stopping_mark(os.getpid())
-    with contextlib.suppress(OSError):
-        mark.touch()
-        atexit.register(lambda: mark.unlink(missing_ok=True))
-
-
-def _signals_reach_a_joining_node(patience_s: float = 1.0) -> None:
-    """Ctrl-C and SIGTERM end a node that is still joining. torch's static rendezvous (--node-rank)
-    waits for the other nodes inside one C++ call (the TCPStore's constructor), where Python's signal
-    handlers never run: the signal did nothing until the rendezvous timed out, minutes later. A thread
-    woken by every signal (the interpreter writes its number to `set_wakeup_fd`) ends the process when
-    the main thread has not, within `patience_s`, and no worker was started yet (torch's own handler,
-    installed as it starts them, then handles the signal). Nothing is written before workers start."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    try:
-        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    except ValueError:
-        return
-    from torch.distributed.elastic.multiprocessing import api
-
-    def watch() -> None:
-        while True:
-            signum = os.read(read_end, 1)[0]
-            if signum not in (signal.SIGINT, signal.SIGTERM):
-                continue
-            time.sleep(patience_s)
-            if signal.getsignal(signum) is api._terminate_process_handler:
-                continue  # workers exist: the agent stops them
-            if signum == signal.SIGTERM:
-                with contextlib.suppress(Exception):
-                    print(f"dtrain: {early_stop.NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
-                os._exit(EXIT_REQUEUE)
-            os._exit(128 + signal.SIGINT)
-
-    threading.Thread(target=watch, name="dtrain-signals-while-joining", daemon=True).start()
 
 
 def _print_first_failure(exc: ChildFailedError) -> int:
