@@ -7,7 +7,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,7 +215,24 @@ def stop(session: Session, together: bool = False) -> None:
     if together and session.backend == "gloo" and session.world_size > 1:
         _let_gloo_settle()
     if session.owns_group:
+        if session.backend == "gloo":
+            _keep_until_exit(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
+
+
+# gloo groups destroyed by `stop`, still held here so that their destructor never runs while Python
+# runs: see _keep_until_exit.
+_destroyed_but_held: list[object] = []
+
+
+def _keep_until_exit(groups: Iterable[object]) -> None:
+    """Hold the gloo groups past destroy_process_group, until the process ends. DDP (and FSDP's mesh)
+    hold them too; whoever drops the last holder runs the group's destructor, which joins gloo's
+    threads — on the main thread, with the GIL held — while one of those threads may wait for the GIL
+    to drop a finished collective's tensors: a finished run that never exits (seen about once in 60
+    runs of a Hugging Face model on a busy machine). Held here, the destructor is left to the end of
+    the process (a worker ends with os._exit: distributed.end_worker_process), after the settling."""
+    _destroyed_but_held.extend(groups)
 
 
 _settling_at_exit = False
