@@ -401,31 +401,25 @@ def _alive(pid: str) -> bool:
         return False
 
 
-def test_slow_steps_agree_on_sigterm_within_the_grace_between_log_steps(tmp_path):
-    """Steps of 0.5 s, training.log_every = 26 and checkpoint.preempt_grace_s = 4: SIGTERM at step 13
-    (the first epoch's evaluation), and waiting for the next log step (26, 6.5 s later) to agree on the stop
-    would outlast the grace and lose the work. The ranks, having agreed on their pace at the second step,
-    agree on a stop every 2 steps here (grace / 4 of steps), so the checkpoint is written in time."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dtrain",
-            "run",
-            *JOB,
-            MODEL % ", step_sleep_s = 0.5",
-            "--nproc",
-            "2",
-            f"run.dir={tmp_path}",
-            "training.log_every=26",
-            "checkpoint.preempt_grace_s=4",
-        ],
+def _slow_steps_run(tmp_path, model_options: str, log_every: int) -> subprocess.Popen:
+    """A 2-process run of slow steps (`model_options` for the sleepy model) with a 4 s preemption grace."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *JOB, MODEL % model_options, "--nproc", "2"]
+        + [f"run.dir={tmp_path}", f"training.log_every={log_every}", "checkpoint.preempt_grace_s=4"],
         cwd=ROOT,
         env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_slow_steps_agree_on_sigterm_within_the_grace_between_log_steps(tmp_path):
+    """Steps of 0.5 s, training.log_every = 26 and checkpoint.preempt_grace_s = 4: SIGTERM at step 13
+    (the first epoch's evaluation), and waiting for the next log step (26, 6.5 s later) to agree on the stop
+    would outlast the grace and lose the work. The ranks, having agreed on their pace at the second step,
+    agree on a stop every 2 steps here (grace / 4 of steps), so the checkpoint is written in time."""
+    proc = _slow_steps_run(tmp_path, ", step_sleep_s = 0.5", log_every=26)
     wait_for(lambda: logged_steps(tmp_path) >= 1, what="the first evaluation (step 13)")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=TIMEOUT)
@@ -440,26 +434,7 @@ def test_steps_that_slow_down_later_are_agreed_on_within_the_grace(tmp_path):
     each from step 3 on; training.log_every = 10 and checkpoint.preempt_grace_s = 4. The log step at 10
     re-agrees the pace from its window (a stop every 2 steps: grace / 4 of them), so SIGTERM after it is
     acted on within 2 steps, not at the next log step (20, up to 5 s later: past the grace)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dtrain",
-            "run",
-            *JOB,
-            MODEL % ", step_sleep_s = 0.5, slow_from_forward = 3",
-            "--nproc",
-            "2",
-            f"run.dir={tmp_path}",
-            "training.log_every=10",
-            "checkpoint.preempt_grace_s=4",
-        ],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _slow_steps_run(tmp_path, ", step_sleep_s = 0.5, slow_from_forward = 3", log_every=10)
     wait_for(lambda: logged_steps(tmp_path) >= 1, what="the log step at 10")
     at = logged_steps(tmp_path)
     start = time.monotonic()
