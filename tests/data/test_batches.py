@@ -159,4 +159,4 @@ def test_eval_metrics_of_the_wrong_kind_are_one_line():
     ):
         sums = EvalSums(torch.device("cpu"), lambda output, batch, r=returned: r)
         with pytest.raises(DtrainError, match=message):
-            sums.add(torch.tensor(1.0), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, 2)
+            sums.add(torch.tensor(1.0), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, 2, None)

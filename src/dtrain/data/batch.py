@@ -96,11 +96,21 @@ def split(batch: Any) -> tuple[Any, Any]:
 
 
 def num_tokens(target: Any) -> int | None:
-    """Tokens in a batch of token sequences: its target's elements (shape only, padding included);
+    """Token positions in a batch of token sequences: its target's elements (shape only, padding included);
     None when the target is not integer sequences (class labels, regression values)."""
     if not isinstance(target, torch.Tensor) or target.dim() < 2 or target.is_floating_point():
         return None
     return target.numel()
+
+
+def real_tokens(batch: Any) -> torch.Tensor:
+    """The real tokens of a batch of token sequences, padding left out (on the device: no host sync): its
+    `attention_mask`'s ones where it has one, else its target's positions that are not -100."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor):
+        return mask.ne(0).sum()
+    target = split(batch)[1]
+    return target.ne(IGNORE_INDEX).sum()
 
 
 class TensorDict(Dataset):

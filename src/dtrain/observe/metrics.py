@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dtrain import distributed
 from dtrain.config import Config
 from dtrain.data import TrainBatches
-from dtrain.data.batch import num_tokens, split
+from dtrain.data.batch import num_tokens, real_tokens, split
 from dtrain.observe import memory, perf
 from dtrain.observe.memory import FIELDS as memory_fields
 from dtrain.observe.perf import stragglers
@@ -75,12 +75,15 @@ class StepMetrics:
         self.margin = straggler_margin
         self._steps = 0
         self._samples = 0
-        self._tokens: int | None = None  # counted only for token-sequence data
+        # Token data: positions from shapes on the host, the real tokens among them (padding left out)
+        # on the device, gathered with the window.
+        self._positions: int | None = None
+        self.tokens_sum = torch.zeros((), device=device)
         self._start = time.perf_counter()
         self._paused_at: float | None = None
         self._windows = 0
         # A step left out of the rates (torch.compile's first): its samples, tokens and seconds.
-        self._untimed: tuple[int, int | None, float] | None = None
+        self._untimed: tuple[int, Tokens | None, float] | None = None
         # Measured in the first step (after_backward, after_update): this rank's (parameter, gradient,
         # optimizer-state) bytes and how to read its peak memory; sent with the next gather, then cleared.
         self.held: tuple[int, int, int] | None = None
@@ -108,26 +111,31 @@ class StepMetrics:
 
     def restart(self) -> None:
         """Start the window afresh (set-up time is not training time)."""
-        self._steps, self._samples, self._tokens, self._start = 0, 0, None, time.perf_counter()
+        self._steps, self._samples, self._positions, self._start = 0, 0, None, time.perf_counter()
+        self.tokens_sum.zero_()
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         finite = torch.isfinite(norm)
         self.norm_sum += torch.where(finite, norm, 0.0)
         self.norm_count += finite
 
-    def step_done(self, samples: int, tokens: int | None = None) -> None:
+    def step_done(self, samples: int, tokens: Tokens | None = None) -> None:
         self._steps += 1
         self._samples += samples
-        if tokens is not None:
-            self._tokens = (self._tokens or 0) + tokens
+        self._count_tokens(tokens, +1)
 
-    def leave_out_of_rates(self, samples: int, tokens: int | None, seconds: float) -> None:
+    def leave_out_of_rates(self, samples: int, tokens: Tokens | None, seconds: float) -> None:
         """The step just done (its time paused) does not count in samples/s and tokens/s: torch.compile's
         first step. Only a window holding no other step reports it, as the best figure there is."""
         self._samples -= samples
-        if tokens is not None:
-            self._tokens = (self._tokens or 0) - tokens
+        self._count_tokens(tokens, -1)
         self._untimed = (samples, tokens, seconds)
+
+    def _count_tokens(self, tokens: Tokens | None, sign: int) -> None:
+        if tokens is not None:
+            positions, real = tokens
+            self._positions = (self._positions or 0) + sign * positions
+            self.tokens_sum += sign * real
 
     def pause(self) -> None:
         """Evaluation and checkpoints do not count as training time."""
@@ -149,7 +157,8 @@ class StepMetrics:
         """The window's record (every rank gets the same) and whether any rank asked to stop."""
         untimed, self._untimed = self._untimed, None
         if untimed is not None and self._steps == 1:  # nothing else in the window: report what there is
-            self._samples, self._tokens = untimed[0], untimed[1]
+            self._samples = untimed[0]
+            self._count_tokens(untimed[1], +1)
             self._start -= untimed[2]
             untimed = None
         timed_steps = self._steps - (untimed is not None)
@@ -165,7 +174,7 @@ class StepMetrics:
             else [0.0] * len(memory_fields)
         )
         local = torch.tensor(
-            [0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *held, *split],
+            [0.0, 0.0, 0.0, 0.0, 0.0, float(stop_requested), own_seconds, float(measured), *held, *split],
             dtype=torch.float64,
             device=self.device,
         )
@@ -174,6 +183,7 @@ class StepMetrics:
             (_NORM, self.norm_sum),
             (_NORMS, self.norm_count),
             (_SKIPPED, self.skipped_sum),
+            (_TOKENS, self.tokens_sum),
         ):
             local[column] += total.double()
             total.zero_()
@@ -190,8 +200,12 @@ class StepMetrics:
         if self.count_skips:  # gradients are synchronised: every rank skips the same steps
             record["skipped_steps"] = int(max(r[_SKIPPED] for r in rows))
         record["samples_per_s"] = samples_per_s
-        if self._tokens is not None:
-            record["tokens_per_s"] = self._tokens * self.world_size / seconds
+        # Real tokens (padding left out), which MFU counts too: padded positions are work not asked for.
+        real_share = 1.0
+        if self._positions is not None:
+            tokens = sum(r[_TOKENS] for r in rows)
+            record["tokens_per_s"] = tokens / seconds
+            real_share = tokens / max(self._positions * self.world_size, 1)
         stop = any(r[_STOP] > 0 for r in rows)
         if all(r[_MEASURED] for r in rows):  # once: the first log step after each rank measured its own
             record.update({name: [int(r[_MEMORY0 + i]) for r in rows] for i, name in enumerate(memory_fields)})
@@ -202,8 +216,9 @@ class StepMetrics:
         if self.flops_per_sample is not None:
             record["flops_per_sample"] = self.flops_per_sample
             if self.peak_flops:
-                record["mfu"] = self.flops_per_sample * samples_per_s / (self.world_size * self.peak_flops)
-        self._steps, self._samples, self._tokens, self._start = 0, 0, None, now
+                achieved = self.flops_per_sample * samples_per_s * real_share
+                record["mfu"] = achieved / (self.world_size * self.peak_flops)
+        self._steps, self._samples, self._positions, self._start = 0, 0, None, now
         return record, stop
 
     def _breakdown(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
@@ -228,14 +243,21 @@ class StepMetrics:
         return out
 
 
-def step_tokens(micro_batches: list[Any]) -> int | None:
-    """Tokens in a step's batches of token sequences (from shapes), or None for other data."""
-    counts = [num_tokens(split(batch)[1]) for batch in micro_batches]
-    return None if None in counts else sum(c for c in counts if c is not None)
+Tokens = tuple[int, torch.Tensor]  # a step's token positions (from shapes), the real tokens among them
+
+
+def step_tokens(micro_batches: list[Any]) -> Tokens | None:
+    """A step's token positions and real tokens (on the device: no host sync), or None for data that
+    is not token sequences."""
+    positions = [num_tokens(split(batch)[1]) for batch in micro_batches]
+    if not positions or None in positions:
+        return None
+    real = torch.stack([real_tokens(batch) for batch in micro_batches]).sum()
+    return sum(p for p in positions if p is not None), real
 
 
 # Columns of the vector each rank contributes to the gather.
-_LOSS, _NORM, _NORMS, _SKIPPED, _STOP, _OWN_SECONDS, _MEASURED, _MEMORY0 = range(8)
+_LOSS, _NORM, _NORMS, _SKIPPED, _TOKENS, _STOP, _OWN_SECONDS, _MEASURED, _MEMORY0 = range(9)
 _PHASE0 = _MEMORY0 + len(memory_fields)
 
 

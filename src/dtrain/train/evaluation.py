@@ -81,7 +81,7 @@ class Evaluator:
             with self.precision.autocast():
                 loss, output, target = self.loss_of(module, batch)
             if counted:
-                sums.add(loss, output, target, batch, num_samples(batch))
+                sums.add(loss, output, target, batch, num_samples(batch), self.loss_of.items(module, batch))
         module.train(was_training)
         return sums.result()
 
@@ -96,17 +96,22 @@ class EvalSums:
         value = torch.as_tensor(value, device=self.device).detach().double()
         self.sums[name] = self.sums[name] + value if name in self.sums else value
 
-    def add(self, loss: torch.Tensor, output: Any, target: Any, batch: Any, samples: int) -> None:
+    def add(
+        self, loss: torch.Tensor, output: Any, target: Any, batch: Any, samples: int, tokens: torch.Tensor | None
+    ) -> None:
+        """One batch's sums; `tokens`: the target tokens its loss is a mean over (`LossOf.items`), if known."""
         self._add("samples", samples)
         self._add("loss", loss * samples)
         logits = logits_of(output) if output is not None else None
         integer_target = isinstance(target, torch.Tensor) and not target.is_floating_point()
         if logits is not None and integer_target and target.dim() >= 2 and logits.dim() == target.dim() + 1:
-            # A language model: its loss is a mean over the target tokens that count (not -100).
-            tokens = (target != IGNORE_INDEX).sum()
+            # A language model: its loss is a mean over the target tokens that count (not -100; for a
+            # causal LM those after its own shift). A batch with none adds nothing (its mean is nan).
+            if tokens is None:
+                tokens = (target != IGNORE_INDEX).sum()
             self._add("lm_samples", samples)
             self._add("lm_tokens", tokens)
-            self._add("lm_loss", loss * tokens)
+            self._add("lm_loss", torch.where(tokens > 0, loss * tokens, 0.0))
         elif logits is not None and integer_target and logits.dim() == 2 and target.dim() == 1:
             self._add("classified", samples)
             self._add("correct", (logits.argmax(dim=1) == target).sum())

@@ -8,18 +8,28 @@
    `model(a, b, ...)`. The default `loss_fn` is cross-entropy, over every position of a sequence.
    A batch with no target (one tensor, a namedtuple, a dataclass) → `model(batch)`, its loss taken
    from the output like a dict batch's (or `loss_fn(output, batch)`).
+
+How micro-batches and ranks add up to one batch (`StepShares`): a loss that is a mean over target
+tokens — the default cross-entropy over sequences, a Hugging Face model's `.loss` given sequence
+`labels` — is weighted by its tokens (`-100` left out; after the model's own shift for a causal LM),
+counted over every micro-batch of the step and every rank: the update is one batch's of the combined
+size, as transformers does with `num_items_in_batch` (passed to a model whose forward takes it). Every
+other loss (class labels, `loss_fn`, `step_fn`) is a mean over samples, weighted by samples.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.data.batch import split
+from dtrain.data.batch import IGNORE_INDEX, num_samples, split
 from dtrain.errors import DtrainError
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -34,9 +44,10 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return found if isinstance(found, torch.Tensor) else None
 
 
-def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+def cross_entropy(output: Any, target: torch.Tensor, per_item: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of class scores against integer classes; with (batch, positions, classes) scores
-    against (batch, positions) targets — a language model — every position counts (-100: left out)."""
+    against (batch, positions) targets — a language model — every position counts (-100: left out).
+    The mean over the targets; with `per_item`, their sum divided by it (a share of a larger batch)."""
     logits = logits_of(output)
     if logits is None:
         raise DtrainError(
@@ -45,7 +56,9 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
         )
     if logits.dim() > 2 and tuple(target.shape) == tuple(logits.shape[:-1]):
         logits, target = logits.flatten(0, -2), target.flatten()
-    return F.cross_entropy(logits, target)
+    if per_item is None:
+        return F.cross_entropy(logits, target)
+    return F.cross_entropy(logits, target, reduction="sum") / per_item
 
 
 def loss_in(output: Any) -> torch.Tensor:
@@ -84,22 +97,119 @@ def forward(model: nn.Module, inputs: Any) -> Any:
 
 class LossOf:
     """`loss_of(model, batch)` → (loss, output, target), the way the module docstring says. `output`
-    and `target` feed eval metrics (None where a step_fn hides them)."""
+    and `target` feed eval metrics (None where a step_fn hides them). With `per_item` (a token count,
+    see `items`), a token-mean loss comes as its sum over the batch's tokens divided by `per_item`."""
 
     def __init__(self, step_fn: StepFn | None = None, loss_fn: LossFn | None = None):
         self.step_fn = step_fn
         self.loss_fn = loss_fn
+        self._models: dict[int, _ModelLoss] = {}
 
-    def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+    def __call__(
+        self, model: nn.Module, batch: Any, per_item: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any, Any]:
         if self.step_fn is not None:
             return _one_number(self.step_fn(model, batch), "step_fn"), None, None
         inputs, target = split(batch)
-        output = forward(model, inputs)
         if target is None or isinstance(batch, Mapping):
+            takes_items = per_item is not None and isinstance(inputs, Mapping) and self._takes_num_items(model)
+            output = forward(model, {**inputs, "num_items_in_batch": per_item} if takes_items else inputs)
             loss = self.loss_fn(output, batch) if self.loss_fn else loss_in(output)
+            items = self.items(model, batch) if per_item is not None and not takes_items else None
+            if items is not None and per_item is not None:  # the model's own mean, weighted by its tokens
+                loss = loss * (items / per_item)
         else:
-            loss = (self.loss_fn or cross_entropy)(output, target)
+            output = forward(model, inputs)
+            if self.loss_fn:
+                loss = self.loss_fn(output, target)
+            else:
+                loss = cross_entropy(output, target, per_item)
         return _one_number(loss, "loss_fn" if self.loss_fn else "the loss"), output, target
+
+    def items(self, model: nn.Module, batch: Any) -> torch.Tensor | None:
+        """How many target tokens the batch's loss is a mean over (on the device: no host sync), or None
+        for a loss dtrain cannot see is a token mean (then samples weigh it)."""
+        if self.step_fn is not None or self.loss_fn is not None:
+            return None
+        _, target = split(batch)
+        if isinstance(batch, Mapping) and isinstance(batch.get("shift_labels"), torch.Tensor):
+            target = batch["shift_labels"]  # a collator that shifted the labels itself (padding-free)
+        elif isinstance(batch, Mapping) and self._model_loss(model).shifts_labels:
+            target = target[..., 1:] if isinstance(target, torch.Tensor) else None  # position 0 predicts nothing
+        if not isinstance(target, torch.Tensor) or target.dim() < 2 or target.is_floating_point():
+            return None  # class labels, soft targets, regression: one item per sample
+        return target.ne(IGNORE_INDEX).sum()
+
+    def _takes_num_items(self, model: nn.Module) -> bool:
+        return self._model_loss(model).takes_num_items
+
+    def _model_loss(self, model: nn.Module) -> _ModelLoss:
+        known = self._models.get(id(model))
+        if known is None:
+            known = self._models[id(model)] = _ModelLoss.of(model)
+        return known
+
+
+class _ModelLoss:
+    """What a model's own loss does with its labels, read as transformers' Trainer reads it: whether it
+    shifts them (a decoder-only causal LM) and whether its forward takes `num_items_in_batch`."""
+
+    def __init__(self, shifts_labels: bool, takes_num_items: bool):
+        self.shifts_labels, self.takes_num_items = shifts_labels, takes_num_items
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _ModelLoss:
+        inner = model
+        while True:  # through the wrappers dtrain puts on: DDP's, torch.compile's (not imported for this)
+            if isinstance(inner, DistributedDataParallel):
+                inner = inner.module
+            elif type(inner).__name__ == "OptimizedModule" and isinstance(inner._orig_mod, nn.Module):
+                inner = inner._orig_mod
+            else:
+                break
+        encoder_decoder = getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
+        # The loss function the model calls (transformers falls back to the causal LM's where its class
+        # name says none, as for GPT2LMHeadModel).
+        own_loss = getattr(inner, "loss_function", None) if hasattr(inner, "loss_type") else None
+        shifts = getattr(own_loss, "__name__", "") == "ForCausalLMLoss" and not encoder_decoder
+        takes = getattr(inner, "accepts_loss_kwargs", None)
+        if takes is None:
+            params = inspect.signature(inner.forward).parameters.values()
+            takes = any(p.name == "num_items_in_batch" for p in params) or (
+                hasattr(inner, "loss_function") and any(p.kind == p.VAR_KEYWORD for p in params)
+            )
+        return cls(shifts, bool(takes))
+
+
+class StepShares:
+    """Each micro-batch's share of one optimizer step's loss, so that the step (its micro-batches on
+    every rank, gradients averaged by DDP or FSDP) updates the weights as one batch of all its samples:
+    by tokens for a token-mean loss (their count over the step summed across ranks in one all-reduce of
+    a scalar, started here so it overlaps what runs before the first loss), else by samples."""
+
+    def __init__(self, loss_of: LossOf, model: nn.Module, micro_batches: list[Any], world_size: int):
+        self.loss_of, self.model, self.world_size = loss_of, model, world_size
+        counts = [loss_of.items(model, batch) for batch in micro_batches]
+        self.sizes = [num_samples(batch) for batch in micro_batches]  # shapes: no host sync
+        self.items: torch.Tensor | None = None
+        self._pending: Any = None
+        if counts and all(c is not None for c in counts):
+            self.items = torch.stack(counts).sum()  # type: ignore[arg-type]
+            if world_size > 1 and dist.is_initialized():
+                self._pending = dist.all_reduce(self.items, async_op=True)
+
+    def loss(self, index: int, batch: Any) -> torch.Tensor:
+        """Micro-batch `index`'s weighted loss: the step's loss is the sum of these over its micro-batches
+        (averaged over ranks)."""
+        if self.items is None:
+            loss = self.loss_of(self.model, batch)[0]
+            n, n_step = self.sizes[index], sum(self.sizes)
+            return loss if n == n_step else loss * (n / n_step)
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        # Divided by the tokens of every rank; DDP's (FSDP's) average over ranks is taken back here.
+        return self.loss_of(self.model, batch, self.items)[0] * self.world_size
 
 
 def _one_number(loss: Any, source: str) -> torch.Tensor:

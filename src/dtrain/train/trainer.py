@@ -26,7 +26,6 @@ from dtrain import data, distributed, parallel
 from dtrain.checkpoint import Checkpointer, Parts, Position, export
 from dtrain.config import Config, profile_range
 from dtrain.data import TensorDict, TrainBatches
-from dtrain.data.batch import num_samples
 from dtrain.data.sampler import train_sampler
 from dtrain.errors import DtrainError
 from dtrain.observe import memory
@@ -40,7 +39,7 @@ from dtrain.train import advice, resume
 from dtrain.train.amp import Precision, precision_for
 from dtrain.train.compiling import compiling_step
 from dtrain.train.evaluation import EvalMetrics, Evaluator
-from dtrain.train.loss import LossFn, LossOf, StepFn
+from dtrain.train.loss import LossFn, LossOf, StepFn, StepShares
 from dtrain.train.optim import build_optimizer, build_scheduler, planned_steps
 from dtrain.train.stopping import StopAgreement, StopRequest
 
@@ -283,18 +282,16 @@ class Trainer:
         """One optimizer step over `grad_accum_steps` micro-batches (fewer at the end of an epoch)."""
         assert self.optimizer and self.precision and self.strategy and self.metrics and self.timer and self.scheduler
         model, optimizer, scaler, metrics = self.model, self.optimizer, self.precision.scaler, self.metrics
-        sizes = [num_samples(batch) for batch in micro_batches]  # shapes: no host sync
-        n_step = sum(sizes)
+        # Each micro-batch's share of the step's loss (by target tokens across every rank for a token-mean
+        # loss, else by samples), so the update equals one batch of all the step's samples.
+        shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
         last = len(micro_batches) - 1
-        for i, (batch, n) in enumerate(zip(micro_batches, sizes)):
+        for i, batch in enumerate(micro_batches):
             # Gradients are averaged across processes only on the last micro-batch; the others just
             # add into the local gradients.
             self.strategy.sync_gradients(i == last)
             with self.precision.autocast():
-                loss, _, _ = self.loss_of(model, batch)
-            if n != n_step:
-                # Weight by samples, so the update equals one batch of all n_step samples.
-                loss = loss * (n / n_step)
+                loss = shares.loss(i, batch)
             scaler.scale(loss).backward()
             metrics.loss_sum += loss.detach()
         self.timer.backward_done()
@@ -318,7 +315,7 @@ class Trainer:
         # step, when the host learns of it without waiting on the device (see _log_train).
         self.scheduler.step()
         self.timer.step_done()
-        metrics.step_done(n_step, tokens=step_tokens(micro_batches))
+        metrics.step_done(sum(shares.sizes), tokens=step_tokens(micro_batches))
 
     def evaluate(self) -> dict[str, float]:
         """eval_loss (and eval_accuracy, eval_perplexity, the user's eval_metrics where they apply) over the eval
