@@ -86,3 +86,19 @@ def test_the_logged_loss_is_the_token_mean_of_the_whole_step(trained, way):
         loss = model(**default_collate(job.hf_samples())).loss.item()
     line = next(r for r in trained[(way, "hf")][1] if "loss" in r)
     assert line["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("way", ["accumulation", "ddp"])
+@pytest.mark.parametrize("name", ["hf", "gpt"])
+def test_eval_loss_is_the_mean_over_the_targets_the_model_scores(trained, way, name):
+    """Over eval batches of unequal real tokens (and, for the HF model, after its own shift)."""
+    model = job.hf_model() if name == "hf" else job.gpt_model()
+    model.load_state_dict(trained[(way, name)][0])
+    with torch.no_grad():
+        if name == "hf":
+            loss = model(**default_collate(job.hf_samples())).loss
+        else:
+            inputs, targets = default_collate(job.gpt_samples())
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    line = next(r for r in trained[(way, name)][1] if "eval_loss" in r)
+    assert line["eval_loss"] == pytest.approx(loss.item(), rel=1e-5)

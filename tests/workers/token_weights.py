@@ -6,7 +6,7 @@ would: a tiny Hugging Face GPT-2 (dict batches, its own shifted token-mean `.los
     torchrun --nproc-per-node 2 token_weights.py OUT 1  # two processes: batch 2 on each
 
 Rank 0 writes OUT/{hf,gpt}.pt (the weights after the step) and leaves each run's metrics.jsonl in
-OUT/{hf,gpt}/. The test computes the one-batch update of all four samples itself and compares.
+OUT/{hf,gpt}/; the same four samples are the eval set (batches of 3: of unequal tokens). The test computes the one-batch update of all four samples itself and compares.
 """
 
 import os
@@ -86,12 +86,12 @@ def main(out: Path, accum: int) -> None:
         config = dtrain.Config.from_dict(
             {
                 "run": {"dir": str(out / name)},
-                "data": {"batch_size": 2},
+                "data": {"batch_size": 2, "eval_batch_size": 3},
                 "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0},
                 "training": {"epochs": 1, "log_every": 1, "grad_accum_steps": accum, "max_grad_norm": 0.0},
             }
         )
-        dtrain.Trainer(config, model=model, train_data=Listed(samples)).fit()
+        dtrain.Trainer(config, model=model, train_data=Listed(samples), eval_data=Listed(samples)).fit()
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}.pt")
     if dist.is_initialized():
