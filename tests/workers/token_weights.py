@@ -6,7 +6,8 @@ would: a tiny Hugging Face GPT-2 (dict batches, its own shifted token-mean `.los
     torchrun --nproc-per-node 2 token_weights.py OUT 1  # two processes: batch 2 on each
 
 Rank 0 writes OUT/{hf,gpt}.pt (the weights after the step) and leaves each run's metrics.jsonl in
-OUT/{hf,gpt}/; the same four samples are the eval set (batches of 3: of unequal tokens). The test computes the one-batch update of all four samples itself and compares.
+OUT/{hf,gpt}/; the same four samples are the eval set (batches of 3: of unequal tokens). The test
+computes the one-batch update of all four samples itself and compares.
 """
 
 import os
