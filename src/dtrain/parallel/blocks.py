@@ -12,8 +12,11 @@ block is an FSDP unit (fsdp.py), and, in torchtitan's order, first:
     compile                   `training.compile`: `blocks` compiles each block's forward (regional:
                               identical blocks share their compiled code), `model` the whole forward
 
-Both replace a module's `forward` in place: parameter names, state dicts and checkpoints stay those of
-the plain model, and the strategy's hooks (FSDP's gathers, DDP's) stay outside the compiled code.
+A Hugging Face model with checkpointing of its own (`gradient_checkpointing_enable`) is checkpointed
+by it, with dtrain's options: its layers know which of their arguments are caches, and the model says
+that it checkpoints. Otherwise both replace a module's `forward` in place: parameter names, state dicts
+and checkpoints stay those of the plain model, and the strategy's hooks (FSDP's gathers, DDP's) stay
+outside the compiled code.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def apply_block_options(
         )
     if tc.activation_checkpointing != "none":
         _no_kv_cache(module)
+        own = _use_own_checkpointing(module, tc.activation_checkpointing)
         for block in blocks:
-            block.forward = _checkpointed(block.forward, tc.activation_checkpointing)
+            if not any(_is_inside(block, model) for model in own):  # recomputed once, not twice
+                block.forward = _checkpointed(block.forward, tc.activation_checkpointing)
     if tc.compile != "none":
         problem = compiler_problem(device)
         if problem:
@@ -80,6 +85,36 @@ def _no_kv_cache(module: nn.Module) -> None:
         hf_config = getattr(sub, "config", None)
         if getattr(hf_config, "use_cache", None) is True:
             hf_config.use_cache = False  # type: ignore[union-attr]
+
+
+def _use_own_checkpointing(module: nn.Module, mode: str) -> list[nn.Module]:
+    """Turn on the activation checkpointing of the Hugging Face models in `module` (itself, or the
+    outermost ones it holds) that have their own; returns them. Their layers know which of their
+    arguments are caches to drop when recomputed, and the model then says it checkpoints
+    (`is_gradient_checkpointing`) to whoever asks, as its users expect of it."""
+    own = [m for m in module.modules() if _has_own_checkpointing(m)]
+    outermost = [m for m in own if not any(m is not other and _is_inside(m, other) for other in own)]
+    for model in outermost:
+        options = {"use_reentrant": False, **_checkpoint_options(mode)}
+        # Newer transformers renamed the method (the old name warns); either hands `options` to torch.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if callable(enable):
+            enable(activation_checkpointing_kwargs=options)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)  # type: ignore[operator]
+    return outermost
+
+
+def _has_own_checkpointing(module: nn.Module) -> bool:
+    """A Hugging Face model that can checkpoint its layers itself (`supports_gradient_checkpointing`)."""
+    return getattr(module, "supports_gradient_checkpointing", False) is True and any(
+        callable(getattr(module, name, None))
+        for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+    )
+
+
+def _is_inside(module: nn.Module, container: nn.Module) -> bool:
+    return any(sub is module for sub in container.modules())
 
 
 def compiler_problem(device: torch.device | str) -> str | None:
@@ -175,19 +210,22 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """`forward` whose activations are recomputed in backward (all of them, or the cheap ones). The RNG
     state is replayed, so dropout draws the same masks: the result equals the plain forward's."""
-    # `full` passes no context_fn at all: torch.compile cannot trace checkpoint's default one handed in
-    # as an argument ("checkpoint not implemented for ... context_fn"), so compile=blocks would fail.
-    options: dict[str, Any] = (
-        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)}
-        if mode == "selective"
-        else {}
-    )
+    options = _checkpoint_options(mode)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
+
+
+def _checkpoint_options(mode: str) -> dict[str, Any]:
+    """What `torch.utils.checkpoint.checkpoint` is given besides `use_reentrant=False` for `mode`."""
+    # `full` passes no context_fn at all: torch.compile cannot trace checkpoint's default one handed in
+    # as an argument ("checkpoint not implemented for ... context_fn"), so compile=blocks would fail.
+    if mode == "selective":
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)}
+    return {}
 
 
 _aten = torch.ops.aten

@@ -1,0 +1,36 @@
+"""Hugging Face models as their users run them: `dtrain launch script.py`, 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers import WORKERS, dtrain, ok, train_lines
+
+pytest.importorskip("transformers")  # the test extra installs it
+
+SCRIPT = str(WORKERS / "hf_gpt2.py")
+
+
+def launch_gpt2(out, *overrides: str) -> dict:
+    ok(dtrain("launch", "--nproc", "2", SCRIPT, str(out), *overrides))
+    return json.loads((out / "facts.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_activation_checkpointing_of_a_hugging_face_model_is_its_own(strategy, tmp_path):
+    """training.activation_checkpointing on a model with its own (GPT-2's gradient_checkpointing_enable)
+    turns that on, cache off, rather than wrapping its blocks a second way; it takes the plain steps."""
+    plain = launch_gpt2(tmp_path / "plain", f"distributed.strategy={strategy}")
+    assert not plain["checkpointing"]
+    for mode in ("full", "selective"):
+        facts = launch_gpt2(
+            tmp_path / mode, f"distributed.strategy={strategy}", f"training.activation_checkpointing={mode}"
+        )
+        assert facts["checkpointing"] and all(facts["blocks_checkpointing"]), facts
+        assert not any(facts["forward_replaced"]) and facts["use_cache"] is False, facts
+        losses = [m["loss"] for m in train_lines(tmp_path / mode / "run")]
+        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+        assert losses == pytest.approx([m["loss"] for m in train_lines(tmp_path / "plain" / "run")], abs=1e-5)
