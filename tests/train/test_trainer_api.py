@@ -1,8 +1,10 @@
 """The Trainer as a library: what it holds before set-up, `evaluate()` before `setup()`, and the caller's
 Config left as it was given when a resume changes the accumulation (config.toml says what was used)."""
 
+import pytest
 import tiny
 import tomllib
+import torch
 
 import dtrain
 
@@ -52,3 +54,54 @@ def test_a_regrouped_resume_leaves_the_callers_config_as_given(tmp_path):
     assert trainer.config is not given and trainer.config.training.grad_accum_steps == 2
     written = tomllib.loads((run_dir / "config.toml").read_text())
     assert written["training"]["grad_accum_steps"] == 2 and written["data"]["batch_size"] == 8
+
+
+class OwnLoss(torch.nn.Module):
+    """A model that computes its loss itself, given the labels, and returns it with the logits as
+    `shape` says: a (loss, logits) tuple (a Hugging Face model with return_dict=False), (logits, loss),
+    or a dict."""
+
+    def __init__(self, shape: str):
+        super().__init__()
+        self.net, self.shape = model(), shape
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        return {"tuple": (loss, logits), "reversed": (logits, loss), "dict": {"loss": loss, "logits": logits}}[
+            self.shape
+        ]
+
+
+def dict_data(n=96, seed=0):
+    return [{"x": x, "labels": y} for x, y in data(n, seed)]
+
+
+def test_a_model_returning_loss_and_logits_as_a_tuple_trains_like_one_returning_a_dict(tmp_path):
+    runs = {}
+    for shape in ("tuple", "dict"):
+        net = OwnLoss(shape)
+        trainer = dtrain.Trainer(
+            config(tmp_path / shape), model=net, train_data=dict_data(), eval_data=dict_data(40, seed=1)
+        )
+        runs[shape] = trainer.fit(), net.state_dict()
+    (tuple_result, tuple_weights), (dict_result, dict_weights) = runs["tuple"], runs["dict"]
+    numbers = ("loss", "eval_loss", "eval_accuracy")  # eval_accuracy: the logits are found in the tuple too
+    assert [tuple_result[k] for k in numbers] == [dict_result[k] for k in numbers]
+    assert all(torch.equal(tuple_weights[name], dict_weights[name]) for name in dict_weights)
+
+
+def test_a_tuple_whose_loss_is_not_first_is_refused_with_advice_that_works(tmp_path):
+    with pytest.raises(dtrain.DtrainError) as refused:
+        dtrain.Trainer(config(tmp_path / "refused"), model=OwnLoss("reversed"), train_data=dict_data()).fit()
+    advice = "Trainer(loss_fn=lambda output, batch: output[1])"
+    assert str(refused.value) == (
+        "the model returned a tuple of 2 (a tensor of shape (16, 3), a tensor of shape ()); dtrain takes a "
+        "tuple's first element as the loss when it is one number, and here it is element 1: return "
+        f"(loss, ...) first, or pass {advice}"
+    )
+    advised = lambda output, batch: output[1]  # noqa: E731 — the advice, as written
+    trainer = dtrain.Trainer(
+        config(tmp_path / "advised"), model=OwnLoss("reversed"), train_data=dict_data(), loss_fn=advised
+    )
+    assert trainer.fit()["loss"] > 0 and trainer.step == trainer.total_steps

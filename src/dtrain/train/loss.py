@@ -2,8 +2,8 @@
 
 1. `Trainer(step_fn=lambda model, batch: loss)`: full control; the model and batch as they are.
 2. A dict batch → `model(**batch)`, and the loss taken from the output (`.loss`, `["loss"]`, or the
-   output itself when it is one number) — what every Hugging Face model does given `labels`. With
-   `loss_fn`, `loss_fn(output, batch)` instead.
+   output itself when it is one number, or a tuple's first element when it is one: `(loss, logits)`)
+   — what every Hugging Face model does given `labels`. With `loss_fn`, `loss_fn(output, batch)` instead.
 3. An `(inputs, target)` batch → `loss_fn(model(inputs), target)`; `(a, b, ..., target)` calls
    `model(a, b, ...)`. The default `loss_fn` is cross-entropy, over every position of a sequence.
    A batch with no target (one tensor, a namedtuple, a dataclass) → `model(batch)`, its loss taken
@@ -37,9 +37,12 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def logits_of(output: Any) -> torch.Tensor | None:
-    """The prediction in a model's output: the output itself, or its `.logits` / `["logits"]`."""
+    """The prediction in a model's output: the output itself, its `.logits` / `["logits"]`, or what
+    follows the loss in a `(loss, logits, ...)` tuple."""
     if isinstance(output, torch.Tensor):
         return output
+    if isinstance(output, (tuple, list)) and len(output) >= 2 and _is_one_number(output[0]):
+        return output[1] if isinstance(output[1], torch.Tensor) else None
     found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
     return found if isinstance(found, torch.Tensor) else None
 
@@ -62,18 +65,34 @@ def cross_entropy(output: Any, target: torch.Tensor, per_item: torch.Tensor | No
 
 
 def loss_in(output: Any) -> torch.Tensor:
-    """The loss a model computed itself (a Hugging Face model given labels), or a one-line refusal naming
-    what the output held."""
+    """The loss a model computed itself (a Hugging Face model given labels): the output when it is one
+    number, its `.loss` / `["loss"]`, or the first element of a tuple when that is one number — a
+    Hugging Face model with `return_dict=False` returns `(loss, logits, ...)`. Else a one-line refusal
+    naming what the output held."""
     if isinstance(output, torch.Tensor) and output.numel() == 1:
         return output.reshape(())
     found = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(found, torch.Tensor):
         return found
+    if isinstance(output, (tuple, list)) and output:
+        if _is_one_number(output[0]):
+            return output[0].reshape(())
+        at = next((i for i, item in enumerate(output) if _is_one_number(item)), None)
+        if at is not None:  # the loss is there, elsewhere than first: say how to pick it
+            raise DtrainError(
+                f"the model returned {describe(output)}; dtrain takes a tuple's first element as the loss "
+                f"when it is one number, and here it is element {at}: return (loss, ...) first, or pass "
+                f"Trainer(loss_fn=lambda output, batch: output[{at}])"
+            )
     raise DtrainError(
         f"the model's output holds no loss ({describe(output)}); put the targets in the batch "
         f"as 'labels' (a Hugging Face model then returns .loss), or pass Trainer(loss_fn=...) or "
         f"Trainer(step_fn=...)"
     )
+
+
+def _is_one_number(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
 
 
 def describe(output: Any) -> str:
@@ -83,7 +102,10 @@ def describe(output: Any) -> str:
         shown = ", ".join(f"{k}={'None' if v is None else type(v).__name__}" for k, v in list(output.items())[:6])
         return f"a {type(output).__name__} with {shown or 'nothing'}"
     if isinstance(output, (tuple, list)):
-        return f"a {type(output).__name__} of {len(output)}"
+        if not output:
+            return f"an empty {type(output).__name__}"
+        shown = ", ".join(describe(item) for item in output[:4]) + (", …" if len(output) > 4 else "")
+        return f"a {type(output).__name__} of {len(output)} ({shown})"
     return f"a {type(output).__name__}"
 
 
