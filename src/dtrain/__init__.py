@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 from dtrain.config import Config, load_config
 from dtrain.errors import ConfigError, DataError, DtrainError
 
-__all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__version__", "load_config"]
+__all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__version__", "load_config", "load_weights"]
 
 
 def __getattr__(name):
@@ -19,4 +19,8 @@ def __getattr__(name):
         from dtrain.train.trainer import Trainer
 
         return Trainer
+    if name == "load_weights":  # a run's model.safetensors, tied tensors under each of their names
+        from dtrain.checkpoint.export import load_weights
+
+        return load_weights
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

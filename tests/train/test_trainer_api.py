@@ -105,3 +105,26 @@ def test_a_tuple_whose_loss_is_not_first_is_refused_with_advice_that_works(tmp_p
         config(tmp_path / "advised"), model=OwnLoss("reversed"), train_data=dict_data(), loss_fn=advised
     )
     assert trainer.fit()["loss"] > 0 and trainer.step == trainer.total_steps
+
+
+def test_a_tied_embedding_models_weights_load_strictly_through_load_weights(tmp_path):
+    """GPT-2 ties lm_head to wte: model.safetensors holds the tensor once (safetensors refuses shared
+    tensors), and dtrain.load_weights gives it back under both names, for a strict load_state_dict."""
+    pytest.importorskip("transformers")
+    from hf_gpt2 import samples, tiny_gpt2
+    from safetensors.torch import load_file
+
+    trained = tiny_gpt2()
+    dtrain.Trainer(config(tmp_path / "run", training={"max_steps": 2}), model=trained, train_data=samples(16)).fit()
+    weights = tmp_path / "run" / "model.safetensors"
+    assert len(load_file(weights)) == len(trained.state_dict()) - 1  # the tied tensor stored once
+    with pytest.raises(RuntimeError, match="Missing key"):  # what the file alone gives a strict load
+        tiny_gpt2().load_state_dict(load_file(weights))
+    fresh = tiny_gpt2()
+    fresh.load_state_dict(dtrain.load_weights(weights), strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied
+    ids = samples(2)[0]["input_ids"][None]
+    trained.eval(), fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, trained(ids).logits)
+    assert not torch.equal(tiny_gpt2()(ids).logits, trained(ids).logits)  # it did train

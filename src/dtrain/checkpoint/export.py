@@ -44,6 +44,25 @@ def save_final_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
 
 
+def load_weights(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The weights in a `model.safetensors` dtrain wrote, under every name the model's state dict has:
+    a tensor tied under several names (GPT-2's lm_head and wte) is stored once and comes back under
+    each, so `model.load_state_dict(load_weights(path))` is strict. A one-line error for a file that
+    is missing or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device=device) as weights:
+            state = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118 — not a dict
+            metadata = weights.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise DtrainError(f"{path} cannot be read as safetensors weights ({exc}); give a model.safetensors") from None
+    for name, stored_as in metadata.items():  # save_final_weights noted each other name of a tied tensor
+        if name not in state and stored_as in state:
+            state[name] = state[stored_as]
+    return state
+
+
 def write_final_weights(
     state: dict[str, torch.Tensor] | None,
     path: Path,

@@ -36,8 +36,7 @@ def generate(
     seed: int = 0,
 ) -> str:
     """The prompt and its continuation, as text."""
-    from safetensors.torch import load_model
-
+    from dtrain.checkpoint.export import load_weights
     from dtrain.data.prepare import load_tokenizer
 
     run_dir = Path(run_dir)
@@ -72,7 +71,7 @@ def generate(
     if not callable(getattr(model, "generate", None)):
         raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
     try:
-        load_model(model, str(weights))
+        model.load_state_dict(load_weights(weights))
     except Exception as exc:
         raise DtrainError(
             f"{weights} does not fit model '{config.model.name}' as config.toml builds it ({exc})"
