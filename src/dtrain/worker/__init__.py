@@ -3,11 +3,13 @@ turns any worker's failure into one report and its exit status."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,12 +65,25 @@ def as_worker(work: Callable[[], Any]) -> int:
     distributed.die_with_the_launcher()
     env = _env_or_single()
     if env.rank != 0:
-        # Hugging Face libraries warn once per process: rank 0 says it, the others would repeat it.
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        _leave_warnings_to_rank0()
     code = _run_reported(work, env.rank)
     if env.world_size > 1:
         distributed.end_worker_process(code)
     return code
+
+
+def _leave_warnings_to_rank0() -> None:
+    """Libraries warn once per process (a deprecation, a default they fell back to, transformers' notes
+    on a model): every rank would repeat rank 0's words, interleaved with its console. Ranks other
+    than 0 keep their errors and drop the warnings of Python's `warnings`, of loggers nobody configured
+    (the root's default level) and of Hugging Face's libraries; a user's own choice (-W,
+    PYTHONWARNINGS, TRANSFORMERS_VERBOSITY, a configured root logger) stands."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+    root = logging.getLogger()
+    if not root.handlers and root.level == logging.WARNING:  # nobody configured logging yet
+        root.setLevel(logging.ERROR)
 
 
 def _run_reported(work: Callable[[], Any], rank: int) -> int:
