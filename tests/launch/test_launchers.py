@@ -350,14 +350,25 @@ def test_a_script_failing_on_every_rank_is_reported_once(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize("code", [0, 2, 3, 75])
 def test_a_worker_ends_like_a_normal_exit(tmp_path, code):
     """Workers leave without the interpreter's teardown (where gloo's threads can abort a finished
-    run): a script's own exit status, its atexit handlers and its buffered output all survive that."""
+    run): a script's own exit status, its atexit handlers and its buffered output all survive that. The
+    launcher returns the script's own status — 3 is 3, not 1; 75 reaches the scheduler as a requeue; 2
+    (an argparse error) is the script's, not a line of dtrain's — and says which rank ended with it."""
     result = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "exit", str(code), str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-rank0", "atexit-rank1"]
     assert "rank 0 is done" in result.stdout and "rank 1 is done" in result.stdout, result.stdout
-    if code == 0:
-        ok(result)
-    else:
-        assert result.returncode != 0 and "exited with status 3" in result.stderr, result.stderr
+    assert result.returncode == code, result.stderr
+    if code in (2, 3):
+        said = rf"dtrain: error: rank \d \(local rank \d\) exited with status {code}"
+        assert re.fullmatch(said, result.stderr.strip()), result.stderr
+
+
+def test_workers_ending_with_different_statuses_return_the_first_failures(tmp_path):
+    """Rank 0 exits 3 and rank 1 exits 4 at the same moment: the launcher prints one of them, the first
+    it saw, and returns that one's status."""
+    result = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "exit", "3,4", str(tmp_path))
+    said = re.fullmatch(r"dtrain: error: rank (\d) \(local rank \d\) exited with status (\d)", result.stderr.strip())
+    assert said and int(said[2]) == {"0": 3, "1": 4}[said[1]], result.stderr
+    assert result.returncode == int(said[2]), result.stderr

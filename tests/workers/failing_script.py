@@ -1,5 +1,6 @@
 """A user's script that fails on every rank, the way scripts fail: `failing_script.py crash|refuse`;
-or ends with its own `sys.exit(CODE)` after registering an exit handler: `failing_script.py exit CODE DIR`."""
+or ends with its own `sys.exit(CODE)` after registering an exit handler: `failing_script.py exit CODE DIR`
+(CODE may be one per rank: `3,4`)."""
 
 import atexit
 import sys
@@ -15,7 +16,8 @@ dist.barrier()
 if sys.argv[1] == "exit":
     atexit.register(lambda: (Path(sys.argv[3]) / f"atexit-rank{rank}").write_text("ran"))
     print(f"rank {rank} is done")  # stdout is a pipe here: buffered, flushed only by a proper exit
-    sys.exit(int(sys.argv[2]))
+    codes = sys.argv[2].split(",")
+    sys.exit(int(codes[rank % len(codes)]))
 if sys.argv[1] == "crash":
     raise RuntimeError(f"boom on rank {rank}")
 raise DtrainError("data.path = 'nowhere' does not exist; give the folder of the shards")

@@ -18,7 +18,7 @@ from dtrain.distributed import netaddr
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 MAX_RDZV_TIMEOUT = 10_000_000  # seconds: about four months
 
@@ -190,31 +190,44 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
 
 
 def _print_first_failure(exc: ChildFailedError) -> int:
-    """Print the first failure once: a bad-input or hang line as it is, a crash with its rank and
-    traceback."""
+    """Print the first failure once; its exit status is the job's. A line dtrain's workers wrote for
+    people (bad input, a hang, a SIGTERM before training) is printed as it is, wherever it came among the
+    failures: it says why the others stopped. Otherwise the first failure decides: a worker's own exit
+    status is the job's (a script's `sys.exit(3)` is 3, its 75 a requeue for the scheduler), printed with
+    its rank, and a crash's traceback with it; a worker killed by a signal is 1."""
+    said = next((f for f in exc.failures.values() if f.exitcode in SAID_AS_IT_IS and _written_by_worker(f)), None)
+    if said is not None:
+        kind = "" if said.exitcode == EXIT_REQUEUE else "error: "  # a requeue is no error
+        print(f"dtrain: {kind}{said.message}", file=sys.stderr, flush=True)
+        return said.exitcode
+    # torch's first: the earliest, and among failures of the same second the first it saw (the workers
+    # it stopped because of it come after).
     rank, failure = exc.get_first_failure()
-    for code in (EXIT_USAGE, EXIT_HANG):  # already one line meant for people: print it as it is
-        said = next((f for f in exc.failures.values() if f.exitcode == code), None)
-        if said is not None:
-            print(f"dtrain: error: {said.message}", file=sys.stderr, flush=True)
-            return code
-    requeue = [f for f in exc.failures.values() if f.exitcode == EXIT_REQUEUE]
-    if requeue:  # workers stopped by a SIGTERM of their own (not the launcher's)
-        line = next((f.message for f in requeue if f.message and "pytorch.org/docs" not in f.message), None)
-        if line:  # before training (early_stop); after it, rank 0 said where its checkpoint is
-            print(f"dtrain: {line}", file=sys.stderr, flush=True)
+    if failure.exitcode == EXIT_REQUEUE:  # after training began, rank 0 said where its checkpoint is
         return EXIT_REQUEUE
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
     else:
         what = f"exited with status {failure.exitcode}"
-    detail = failure.message if failure.message and "pytorch.org/docs" not in failure.message else ""
+    detail = failure.message if _written_by_worker(failure) else ""
     print(
         f"dtrain: error: rank {rank} (local rank {failure.local_rank}) {what}" + (f":\n{detail}" if detail else ""),
         file=sys.stderr,
         flush=True,
     )
-    return 1
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+# Exit statuses whose worker's message is one line meant for people (see distributed.failures).
+SAID_AS_IT_IS = (EXIT_USAGE, EXIT_HANG, EXIT_REQUEUE)
+
+
+def _written_by_worker(failure: ProcessFailure) -> bool:
+    """Whether the worker wrote its failure to torchrun's error file (a line or a traceback); without one,
+    torch makes up a message of its own (a link to its docs, the signal's number)."""
+    from torch.distributed.elastic.multiprocessing import errors
+
+    return failure.error_file != getattr(errors, "_NOT_AVAILABLE", "<N/A>")
 
 
 def _quiet_elastic_logs() -> None:
