@@ -3,10 +3,14 @@ run.dir that cannot be written is refused by the launcher — with real runs, re
 
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from helpers import dtrain, mount_tmpfs, ok, train_lines, unmount
+from helpers import ROOT, TIMEOUT, dtrain, env, mount_tmpfs, ok, run, train_lines, unmount
 
 JOB = [
     "examples/digits_mlp.toml",
@@ -109,6 +113,75 @@ def test_a_restarted_group_replaces_its_first_attempts_outputs(tmp_path):
     assert "replaced the outputs of an earlier attempt of this run: metrics.jsonl, tensorboard" in result.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))  # 80 samples a rank: 3 steps an epoch
     assert len(event_files(tmp_path)) == 1
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_with_the_same_command(tmp_path):
+    """kill -9 of the whole job (a scheduler's hard stop, the OOM killer) after a few steps, before any
+    checkpoint: what it left (metrics, events) is the record of a run nothing can continue. The same
+    command reruns — it replaces those outputs, says so in one line, and trains from step 1 — instead of
+    being refused as an earlier run's outputs. A run that left weights is still refused (see above)."""
+    command = [
+        sys.executable,
+        "-m",
+        "dtrain",
+        "run",
+        *JOB,
+        "model.name=faults:dying_mlp",
+        "model.options={hidden_size = 16, step_sleep_s = 0.3}",
+        "training.epochs=3",  # 3 steps an epoch on each of 2 ranks
+        "--nproc",
+        "2",
+        f"run.dir={tmp_path}",
+    ]
+    job = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not ((tmp_path / "metrics.jsonl").exists() and len(train_lines(tmp_path)) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate(timeout=TIMEOUT)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "model.safetensors").exists()
+    rerun = ok(run(command))
+    replaced = [line for line in rerun.stderr.splitlines() if line.startswith("replaced the outputs")]
+    assert replaced == [
+        "replaced the outputs of an earlier run that ended before its first checkpoint (no checkpoint, no final "
+        "weights): metrics.jsonl, tensorboard"
+    ], rerun.stderr
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 10))  # the rerun's alone
+    assert len(event_files(tmp_path)) == 1 and (tmp_path / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("left", ["unsealed", "sealed-aside"])
+def test_only_a_run_that_left_no_sealed_checkpoint_anywhere_is_replaced(tmp_path, left):
+    """A run killed while writing its first checkpoint leaves it unsealed (no COMPLETE.json): nothing
+    can resume it, and the rerun replaces it. One killed while replacing a sealed checkpoint of the same
+    step leaves that one sealed under a partial name: lasting work, so the rerun is refused and
+    nothing is touched."""
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+    (tmp_path / "model.safetensors").unlink()  # killed before the end
+    for checkpoint in (tmp_path / "checkpoints").iterdir():
+        if left == "unsealed":
+            (checkpoint / "COMPLETE.json").unlink()
+            checkpoint.rename(checkpoint.with_name(f".partial-{checkpoint.name}"))
+        else:
+            checkpoint.rename(checkpoint.with_name(f".partial-replaced-{checkpoint.name}"))
+    before = snapshot(tmp_path)
+    result = dtrain("run", *JOB, f"run.dir={tmp_path}")
+    if left == "unsealed":
+        ok(result)
+        assert "replaced the outputs of an earlier run that ended before its first checkpoint" in result.stderr
+        assert [m["step"] for m in train_lines(tmp_path)] == [1, 2, 3, 4, 5]
+    else:
+        assert result.returncode == 2 and "holds an earlier run's outputs" in result.stderr, result.stderr
+        assert snapshot(tmp_path) == before
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only filesystem needs root")

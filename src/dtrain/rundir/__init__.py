@@ -5,8 +5,10 @@ recognise again (a metrics file of JSON records, folders of event files or step-
 marked as dtrain's). Anything else in run.dir is someone else's: dtrain never writes over it or deletes
 it, and by default refuses to write beside it (TensorBoard would show two runs as one, a report would
 mix them). A fresh start over an earlier run's outputs is refused too, unless the user says to replace
-them (run.overwrite) or this is a later attempt of the same run (a torchrun restart, a SLURM requeue),
-whose earlier attempt's outputs it replaces. Only what is recognisably dtrain's is ever deleted.
+them (run.overwrite), this is a later attempt of the same run (a torchrun restart, a SLURM requeue),
+whose earlier attempt's outputs it replaces, or the earlier run is over and did no lasting work (no
+sealed checkpoint, no final weights: killed or crashed before its first checkpoint). Only what is
+recognisably dtrain's is ever deleted.
 """
 
 from __future__ import annotations
@@ -132,18 +134,31 @@ def check_contents(run_dir: Path, allow_other_files: bool) -> None:
 def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bool) -> list[Path]:
     """An earlier run's outputs that must go before this run starts in `run_dir` (checked by
     `check_contents` first), or a refusal. `resuming`: the run continues from a checkpoint there, and
-    its outputs are its own. `again`: a later attempt of the same run. Nothing is deleted here: see
-    `remove`, which rank 0 calls once the run has started."""
+    its outputs are its own. `again`: a later attempt of the same run. An earlier run that did no
+    lasting work (see `did_lasting_work`) is replaced too: killed or crashed before its first checkpoint,
+    it reruns with the same command. The caller holds run.dir's lock, or found it free: the earlier run
+    is over. Nothing is deleted here: see `remove`, which rank 0 calls once the run has started."""
     if resuming or not run_dir.is_dir():
         return []
     earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in KEPT and _holds_something(p)]
-    if earlier and not (overwrite or again):
+    if earlier and not (overwrite or again) and did_lasting_work(run_dir):
         raise DtrainError(
             f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
             f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
             f"to replace them"
         )
     return earlier
+
+
+def did_lasting_work(run_dir: Path) -> bool:
+    """Whether the run that wrote run.dir's outputs left something that outlives it: its final weights, or
+    a sealed checkpoint — under any name in checkpoints/, also one interrupted while replacing another.
+    Its metrics, events and traces alone only describe a run nothing can continue."""
+    from dtrain.checkpoint.manifest import MARKER
+
+    checkpoints = run_dir / "checkpoints"
+    sealed = checkpoints.is_dir() and any((folder / MARKER).exists() for folder in checkpoints.iterdir())
+    return sealed or (run_dir / "model.safetensors").exists()
 
 
 def _holds_something(path: Path) -> bool:

@@ -22,35 +22,36 @@ class RunDirClaim:
         self.run_dir, self.run, self.is_main = run_dir, run, is_main
         self.lock = RunDirLock(run_dir)
         self.replaced: list[str] = []  # names of the earlier outputs take() removed
+        self.replaced_whose = ""  # whose they were, for the line saying so
         self.fresh = False  # what run.dir holds is this run's own: set once it knows it resumes nothing
 
     def take(self, module: nn.Module) -> None:
-        """Rank 0 checks run.dir (usable; no other program's files; an earlier run only when told to
-        replace it), locks it for the life of the run (two live runs must never share it), checks the
-        final weights will fit, and only then deletes an earlier run's outputs (see rundir); a refusal
-        is raised on every rank."""
+        """Rank 0 checks run.dir (usable; no other program's files), locks it for the life of the run
+        (two live runs must never share it), checks that an earlier run's outputs may go (when told to
+        replace them, or the run that is over now did no lasting work) and that the final weights will
+        fit, and only then deletes those outputs (see rundir); a refusal is raised on every rank."""
 
-        def decide() -> list[str]:
+        def decide() -> tuple[str, list[str]]:
             again = distributed.later_attempt()
             rundir.check_usable(self.run_dir)
             rundir.check_config_file_is_ours(self.run_dir)
             rundir.check_contents(self.run_dir, self.run.allow_other_files)
             fresh = self.run.overwrite and not again  # a restart of this run resumes instead
             resuming = not fresh and CheckpointStore(self.run_dir).newest() is not None
+            self.lock.acquire()  # first: outputs of a run that did no lasting work go only once it is over
             earlier = rundir.earlier_outputs(self.run_dir, resuming=resuming, overwrite=fresh, again=again)
-            self.lock.acquire()
             rundir.check_room(self.run_dir, weights_bytes(module), "the final model.safetensors")
+            whose = _whose(again, fresh)
             rundir.remove(earlier)
-            return [p.name for p in earlier]
+            return whose, [p.name for p in earlier]
 
-        self.replaced = distributed.rank0_decides(decide, is_main=self.is_main) or []
+        self.replaced_whose, self.replaced = distributed.rank0_decides(decide, is_main=self.is_main) or ("", [])
 
     def said(self) -> list[str]:
         """The console line naming the earlier outputs take() replaced, if any."""
         if not self.replaced:
             return []
-        whose = "an earlier attempt of this run" if distributed.later_attempt() else "the earlier run (run.overwrite)"
-        return [f"replaced the outputs of {whose}: {', '.join(self.replaced)}"]
+        return [f"replaced the outputs of {self.replaced_whose}: {', '.join(self.replaced)}"]
 
     def forget(self, steps_taken: int, close_writers: Callable[[], None] | None = None) -> None:
         """A new run that fails before its first step (bad data found in the first batch, a model that
@@ -68,6 +69,16 @@ class RunDirClaim:
     def release(self, remove_if_created: bool = False) -> None:
         """Drop the lock; on a refused start, also remove a run.dir the lock created."""
         self.lock.release(remove_if_created=remove_if_created)
+
+
+def _whose(again: bool, overwrite: bool) -> str:
+    """Whose outputs take() replaces, as the console line says it: without `again` or `overwrite`, only
+    those of a run that did no lasting work are (see rundir.earlier_outputs)."""
+    if again:
+        return "an earlier attempt of this run"
+    if overwrite:
+        return "the earlier run (run.overwrite)"
+    return "an earlier run that ended before its first checkpoint (no checkpoint, no final weights)"
 
 
 def weights_bytes(module: nn.Module) -> int:
