@@ -273,11 +273,15 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         metavar="F",
         help="share of documents held out for evaluation (default 0.05)",
     )
-    text.add_argument("--workers", type=int, default=0, metavar="N", help="encoding processes (default: up to 4)")
+    text.add_argument("--workers", type=int, default=0, metavar="N", help="threads that tokenize (default: all cores)")
     text.add_argument("--dtype", default="auto", metavar="auto|uint16|uint32", help="token type on disk")
     args = parser.parse_args(argv)
     if not args.sources and not args.python_stdlib:
         raise DtrainError("dtrain prepare text needs SRC files or folders, or --python-stdlib")
+    if args.workers < 0:
+        raise DtrainError(f"--workers must be 0 (all cores) or more; got {args.workers}")
+    if args.workers:  # tokenizers' threads (Rust's rayon): read once, when the first of them starts
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     from dtrain.data.prepare import prepare_text
 
     meta = prepare_text(
@@ -286,7 +290,6 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
-        workers=args.workers,
         python_stdlib=args.python_stdlib,
         dtype=args.dtype,
     )

@@ -4,6 +4,7 @@ GPT (parity with a hand-written nanoGPT-style loop), exact resume, `dtrain gener
 import json
 import re
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
 from dtrain.rundir.lock import RunDirLock
-from helpers import WORKERS, assert_weights_close, dtrain, ok, torchrun, train_lines, weights
+from helpers import WORKERS, assert_weights_close, dtrain, ok, run, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
@@ -62,7 +63,7 @@ def test_prepare_round_trips_the_text_and_is_stable(corpus, tmp_path, tokenizer)
     texts = [t for t in texts if t.strip()]  # an empty __init__.py is no document
     outs = [tmp_path / f"out{i}" for i in range(2)]
     for out in outs:
-        prepare_text([str(corpus)], str(out), tokenizer=tokenizer, vocab_size=800, workers=2)
+        prepare_text([str(corpus)], str(out), tokenizer=tokenizer, vocab_size=800)
     docs = split_documents(outs[0], "train") + split_documents(outs[0], "val")
     assert len(texts) > 20 and sorted(docs) == sorted(texts)  # decoding the shards gives every file back, once
     assert split_documents(outs[0], "val")  # some held out
@@ -444,3 +445,77 @@ def test_token_ids_outside_the_vocabulary_are_one_line(prepared, tmp_path):
     shutil.copy(prepared / "train-00000.bin", folder / "train-00000.bin")
     ok(dtrain(*args))
     assert [m["step"] for m in train_lines(run_dir)] == [1, 2]
+
+
+def peak_rss_mib(*args: str) -> float:
+    """The peak resident memory of `dtrain ARGS`, measured by a parent that runs only it."""
+    parent = (
+        "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
+    )
+    result = ok(run([sys.executable, "-c", parent, sys.executable, "-m", "dtrain", *args]))
+    return int(result.stdout.split()[-1]) / 1024  # KiB on Linux
+
+
+def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
+    """48 MB of text — 32 files and one 16 MB line — prepared in no more memory than one small file: text
+    is read, encoded and written a piece at a time (all in memory took ~20× the corpus)."""
+    words = [f"w{i}" for i in range(997)]
+    block = " ".join(words[(i * 7919) % 997] for i in range(200_000))[: 1 << 20]  # 1 MiB of words
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(32):
+        (big / f"doc{i:02d}.txt").write_text(f"document {i}\n{block}\n")
+    (big / "one-line.txt").write_text(block * 16)
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "doc.txt").write_text(block[:1000])
+    corpus_mib = sum(p.stat().st_size for p in big.iterdir()) / 2**20
+    baseline = peak_rss_mib("prepare", "text", str(small), "--out", str(tmp_path / "small-out"), "--tokenizer", "bytes")
+    peak = peak_rss_mib("prepare", "text", str(big), "--out", str(tmp_path / "out"), "--tokenizer", "bytes")
+    assert peak - baseline < corpus_mib / 2, f"{peak - baseline:.0f} MiB more for {corpus_mib:.0f} MiB of text"
+    meta = read_meta(tmp_path / "out")
+    tokens = sum(split["tokens"] for split in meta["splits"].values())
+    assert tokens == sum(p.stat().st_size + 1 for p in big.iterdir())  # every byte, and an end-of-text each
+
+
+def test_long_texts_are_cut_where_their_tokens_are_cut_anyway(corpus, tmp_path, monkeypatch):
+    """Texts longer than a piece are trained on and encoded in pieces: the tokenizer and every document's
+    tokens are what the whole texts give (pieces of a few hundred characters here, to cut often)."""
+    import dtrain.data.text_shards as text_shards
+
+    source = tmp_path / "src"
+    shutil.copytree(corpus / "json", source)
+    long_text = (STDLIB / "json" / "decoder.py").read_text(encoding="utf-8")
+    (source / "crlf.txt").write_bytes(long_text.replace("\n", "\r\n").encode())  # newlines as read_text gives
+    (source / "one-line.txt").write_text(" ".join(long_text.split()) + "   \t  x\n\n  y")
+    files = sorted(p for p in source.iterdir() if p.is_file() and p.read_text().strip())
+    for path in files:
+        pieces = list(text_shards.read_pieces(path, 300))
+        assert "".join(pieces) == path.read_text() and max(map(len, pieces)) <= 300
+    assert len(list(text_shards.read_pieces(source / "one-line.txt", 300))) > 20
+
+    whole = text_shards.train_bpe(files, 800)  # the default pieces are longer than any of these texts
+    monkeypatch.setattr(text_shards, "TRAIN_PIECE", 300)
+    monkeypatch.setattr(text_shards, "ENCODE_PIECE", 500)
+    monkeypatch.setattr(text_shards, "BATCH_CHARS", 2000)
+    assert text_shards.train_bpe(files, 800).to_str() == whole.to_str()
+    meta = prepare_text([str(source)], str(tmp_path / "out"), vocab_size=800, val_fraction=0)
+    tokenizer = load_tokenizer(tmp_path / "out", meta)
+    assert tokenizer.to_str() == whole.to_str()
+    ids = np.fromfile(tmp_path / "out" / "train-00000.bin", dtype=meta["dtype"]).tolist()
+    assert ids == [i for path in files for i in [*tokenizer.encode(path.read_text()).ids, meta["eot_token"]]]
+
+
+def test_prepare_forks_no_process(corpus, tmp_path):
+    """No fork of a process whose other threads (torch's, the BPE trainer's) may hold a lock at that
+    moment — what a forked encoding pool did, the class of fork-after-threads deadlock; nor its workers'
+    stray 'stopped by SIGTERM' line (dtrain's handler, inherited) when the pool ended them."""
+    script = (
+        "import os, sys; from dtrain.cli import main; forks = []; os.register_at_fork(before=lambda: forks.append(1)); "
+        "status = main(sys.argv[1:]); print('forks:', len(forks)); sys.exit(status)"
+    )
+    args = ["prepare", "text", str(corpus), "--out", str(tmp_path / "out"), "--vocab-size", "800", "--workers", "2"]
+    result = ok(run([sys.executable, "-c", script, *args]))
+    assert result.stdout.splitlines()[-1] == "forks: 0"
+    assert "SIGTERM" not in result.stderr, result.stderr
