@@ -6,7 +6,8 @@ corpus's size: token data bigger than RAM can be prepared on the machine that tr
 
 No process is started: `tokenizers` encodes a batch on all cores in its own threads, and a pool of
 forked processes would copy this process in whatever state its other threads left it (torch's,
-tokenizers' own, a lock one of them held at that moment) — the class of deadlock fork after threads has.
+tokenizers' own: a lock one of them held at that moment stays held in the copy) — fork after threads
+is a known cause of deadlocks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ BATCH_CHARS = 1 << 21  # characters encoded in one call: the batch is what memor
 # no word runs over the last whitespace before a non-space, and the word that follows begins with it.
 # So the pieces' tokens, put together, are the whole text's tokens: the same for bytes and "bpe" (a
 # given tokenizer.json with other rules may differ a little at a cut; only texts over ENCODE_PIECE are
-# cut for it). A stretch of ENCODE_PIECE / 2 characters without such a place is cut where it ends.
+# cut for it). Half a piece without such a place (a line of 100 K letters) is cut where the piece
+# ends: there, and only there, the tokens may differ a little from the whole text's.
 _LAST_CUT = re.compile(r".*[ \n](?=[!-~])", re.DOTALL)
 
 
