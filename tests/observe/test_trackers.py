@@ -2,14 +2,18 @@
 resolved config; a tracker that is not installed is refused in one line before anything starts."""
 
 import json
+import os
+import signal
 import struct
+import subprocess
 import sys
+import time
 
 import pytest
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
-from helpers import dtrain, metrics, ok, run
+from helpers import ROOT, TIMEOUT, dtrain, env, metrics, ok, run
 
 JOB = [
     "examples/digits_mlp.toml",
@@ -52,6 +56,46 @@ def wandb_records(path):
         record.ParseFromString(data)
         parsed.append(record)
     return parsed
+
+
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+BOTH = 'monitor.trackers=["mlflow", "wandb"]'
+
+
+def mlflow_runs(store, monkeypatch):
+    """The client of an MLflow local store (a folder, or a file: URI) and its runs, oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the local store, as dtrain wrote it
+    client = MlflowClient(store.as_uri() if hasattr(store, "as_uri") else store)
+    experiment = client.get_experiment_by_name("dtrain")
+    return client, client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def wandb_parts(run_dir):
+    """Each W&B offline run started in run_dir, oldest first (the folder names begin with the time)."""
+    return [next(part.glob("run-*.wandb")) for part in sorted((run_dir / "wandb").glob("offline-run-*"))]
+
+
+def wandb_exits(path):
+    """The exit codes a W&B offline run file records (none where its service ended first)."""
+    return [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+
+
+def wandb_history(path, key="loss"):
+    """{step: value} of one metric, as a W&B offline run file records it."""
+    history = {}
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            if key in items:
+                history[record.history.step.num] = items[key]
+    return history
+
+
+def logged(run_dir, key="loss"):
+    """{step: value} of one metric in metrics.jsonl."""
+    return {r["step"]: r[key] for r in metrics(run_dir) if key in r}
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +196,8 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
 
 
 def test_a_failed_run_is_marked_failed_in_its_trackers(tmp_path, monkeypatch):
-    """Rank 1 is killed at its 4th step: MLflow's run reads FAILED and W&B's exit code is not 0, rather than
-    both saying the run finished."""
+    """Rank 1 is killed at its 4th step: MLflow's run reads FAILED and W&B's exit code is 1 (a crash), rather
+    than both saying the run finished."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -172,4 +216,88 @@ def test_a_failed_run_is_marked_failed_in_its_trackers(tmp_path, monkeypatch):
     ]
     # W&B writes its exit record from its own service; a rank stopped by the agent may end before it
     # comes (seen under load). What must never be there is an exit record saying the run succeeded.
-    assert all(code != 0 for code in exits), exits
+    assert all(code == 1 for code in exits), exits
+
+
+def test_a_diverged_run_is_failed_with_exit_code_2_in_its_trackers(tmp_path, monkeypatch):
+    """optimizer.lr=1e30: the loss is nan at step 1 and the run stops with exit status 2 (a run the config
+    cannot train): MLflow's run reads FAILED and W&B's exit code is 2, not a finished run."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    result = dtrain("run", *JOB, f"run.dir={tmp_path}", BOTH, "optimizer.lr=1e30", extra_env=OFFLINE)
+    assert result.returncode == 2 and "training diverged" in result.stderr, result.stderr
+    _, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert only.info.status == "FAILED"
+    (part,) = wandb_parts(tmp_path)
+    assert wandb_exits(part) == [2]
+
+
+def slow_tracked_run(run_dir, **popen):
+    """A 2-process run of slow steps (about 150 of 0.05 s) logging to MLflow and W&B offline."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={run_dir}", BOTH, "training.epochs=50"]
+        + ["model.name=faults:dying_mlp", "model.options={hidden_size = 16, step_sleep_s = 0.05}"],
+        cwd=ROOT,
+        env=env(**OFFLINE),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def wait_for_steps(proc, run_dir, steps):
+    deadline = time.monotonic() + TIMEOUT
+    path = run_dir / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_a_preempted_run_is_killed_with_exit_code_75_and_its_resume_continues_it(tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's preemption): MLflow's run reads KILLED, W&B's exit code is 75 (the requeue
+    status). The checkpoint is at the last logged step, so the rerun continues the same tracker runs and
+    ends them FINISHED, each step once."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    proc = slow_tracked_run(tmp_path)
+    wait_for_steps(proc, tmp_path, 3)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as SLURM or Kubernetes would
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    client, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert only.info.status == "KILLED"
+    (part,) = wandb_parts(tmp_path)
+    assert wandb_exits(part) == [75]
+    stopped_at = max(logged(tmp_path))
+
+    again = [f"run.dir={tmp_path}", BOTH, "training.epochs=4", "model.name=faults:dying_mlp"]
+    again.append("model.options={hidden_size = 16}")
+    resumed = ok(dtrain("run", *JOB, *again, extra_env=OFFLINE))
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-{stopped_at}" in resumed.stderr, resumed.stderr
+    assert "resumed_from_step" not in resumed.stderr, resumed.stderr
+    _, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert only.info.status == "FINISHED"
+    history = client.get_metric_history(only.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 13))  # each step once
+    first, second = wandb_parts(tmp_path)
+    assert first.parent.name.rsplit("-", 1)[-1] == second.parent.name.rsplit("-", 1)[-1]  # one W&B run, continued
+    before, after = wandb_history(first), wandb_history(second)
+    assert sorted(before) == list(range(1, stopped_at + 1)) and sorted(after) == list(range(stopped_at + 1, 13))
+    assert wandb_exits(second) == [0]
+
+
+def test_a_run_ended_by_ctrl_c_is_killed_with_exit_code_130_in_its_trackers(tmp_path, monkeypatch):
+    """Ctrl-C reaches the launcher and its workers (a terminal signals its foreground process group)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    proc = slow_tracked_run(tmp_path, start_new_session=True)
+    wait_for_steps(proc, tmp_path, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 130, err
+    _, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert only.info.status == "KILLED"
+    (part,) = wandb_parts(tmp_path)
+    # W&B's own service gets the Ctrl-C too: it may end before the exit record (then none is there).
+    assert wandb_exits(part) in ([130], [])

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from dtrain.errors import Preempted
 from dtrain.observe.memory import FIELDS as memory_fields
-from dtrain.observe.trackers import open_trackers
+from dtrain.observe.trackers import ending, open_trackers
 
 # TensorBoard tags for the keys of a metrics record.
 TB_TAGS = {
@@ -133,7 +132,7 @@ class Monitor:
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: what ended the run, if anything did; the trackers mark their run failed (or killed, on
-        a stop the job was asked for) rather than finished."""
+        a stop the job was asked for) rather than finished, with the run's exit status (trackers.ending)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -143,11 +142,9 @@ class Monitor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        outcome = (
-            "finished" if error is None else "killed" if isinstance(error, (Preempted, KeyboardInterrupt)) else "failed"
-        )
+        status, exit_code = ending(error)
         for tracker in self._trackers:
-            tracker.close(outcome)
+            tracker.close(status, exit_code)
         self._trackers = []
 
 

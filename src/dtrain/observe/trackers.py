@@ -6,6 +6,7 @@ MLflow logs to a local store under run.dir/mlruns unless MLFLOW_TRACKING_URI nam
 MLFLOW_EXPERIMENT_NAME, default "dtrain"); W&B writes under run.dir/wandb and honours WANDB_MODE=offline
 (project WANDB_PROJECT, default "dtrain"). Both get the resolved config as parameters and every numeric
 metric of every record at its step. Each is an optional extra, named in one line when it is missing.
+A run ends its tracker runs as it ended (`ending`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import ConfigError
+from dtrain.errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
 
 KNOWN = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}  # name → what to install
 
@@ -49,6 +50,17 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
         for k, v in record.items()
         if k not in ("step", "epoch", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
+
+
+def ending(error: BaseException | None) -> tuple[str, int]:
+    """How a run ended, as MLflow's run status and the exit code W&B records — the worker's own exit
+    status (worker/__init__.py): 0 finished; 75 stopped by SIGTERM with its checkpoint (preempted) and 130
+    by Ctrl-C, both KILLED; 2 refused or diverged and 1 crashed, both FAILED."""
+    if error is None:
+        return "FINISHED", 0
+    if isinstance(error, (Preempted, KeyboardInterrupt)):
+        return "KILLED", Preempted.exit_code if isinstance(error, Preempted) else 130
+    return "FAILED", EXIT_USAGE if isinstance(error, DtrainError) else 1
 
 
 class MLflowTracker:
@@ -85,8 +97,8 @@ class MLflowTracker:
     def log(self, record: dict[str, Any]) -> None:
         self._mlflow.log_metrics(numbers(record), step=record["step"])
 
-    def close(self, outcome: str = "finished") -> None:
-        self._mlflow.end_run(status=outcome.upper())  # FINISHED, FAILED or KILLED
+    def close(self, status: str = "FINISHED", exit_code: int = 0) -> None:
+        self._mlflow.end_run(status=status)  # FINISHED, FAILED or KILLED
 
 
 class WandbTracker:
@@ -109,8 +121,8 @@ class WandbTracker:
     def log(self, record: dict[str, Any]) -> None:
         self._run.log(numbers(record), step=record["step"])
 
-    def close(self, outcome: str = "finished") -> None:
-        self._run.finish(exit_code=0 if outcome == "finished" else 1)  # W&B marks a non-zero exit failed
+    def close(self, status: str = "FINISHED", exit_code: int = 0) -> None:
+        self._run.finish(exit_code=exit_code)  # W&B marks a non-zero exit failed
 
 
 def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], resuming: bool = False) -> list[Any]:
