@@ -13,7 +13,7 @@ import pytest
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
-from helpers import ROOT, TIMEOUT, dtrain, env, metrics, ok, run
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, metrics, ok, run
 
 JOB = [
     "examples/digits_mlp.toml",
@@ -301,3 +301,20 @@ def test_a_run_ended_by_ctrl_c_is_killed_with_exit_code_130_in_its_trackers(tmp_
     (part,) = wandb_parts(tmp_path)
     # W&B's own service gets the Ctrl-C too: it may end before the exit record (then none is there).
     assert wandb_exits(part) in ([130], [])
+
+
+def test_a_sigterm_before_the_first_step_ends_the_tracker_run_killed(tmp_path, monkeypatch):
+    """SIGTERM on rank 0 as MLflow starts, before the first step: the new run's outputs go (the same
+    command starts afresh), and the MLflow run it had begun, on a store outside run.dir, reads KILLED."""
+    pytest.importorskip("mlflow")
+    store = (tmp_path / "store").as_uri()
+    pythonpath = os.pathsep.join([str(WORKERS / "process_faults"), env()["PYTHONPATH"]])
+    sigterm = {"SIGTERM_AT_IMPORT": "mlflow@rank0", "PYTHONPATH": pythonpath}
+    tracking = {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    result = dtrain(
+        "run", *JOB, f"run.dir={tmp_path / 'run'}", 'monitor.trackers=["mlflow"]', extra_env={**sigterm, **tracking}
+    )
+    assert result.returncode == 75 and "before training began" in result.stderr, result.stderr
+    assert [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")] == []
+    _, (only,) = mlflow_runs(store, monkeypatch)
+    assert only.info.status == "KILLED"

@@ -11,6 +11,7 @@ in collaborators: train.resume, .stopping, .evaluation, .advice; rundir.claim; c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -127,7 +128,7 @@ class Trainer:
             self._resume(self.session, self.claim)
         except BaseException as exc:
             self.stop_request.uninstall()
-            self.claim.forget(self.step, self.monitor.close if self.monitor else None)
+            self.claim.forget(self.step, functools.partial(self.monitor.close, exc) if self.monitor else None)
             self.claim.release(remove_if_created=True)
             distributed.stop(self.session)
             if advice.is_out_of_memory(exc):
@@ -203,9 +204,10 @@ class Trainer:
             # One gather (also the barrier keeping rank 0's extra set-up out of the others' waiting): a
             # SIGTERM during set-up stops the group before its first step; a new run leaves nothing behind.
             if stopping.requested_by_any():
-                claim.forget(self.step, monitor.close)
+                stopped = stopping.preempted_before_training(self.step)
+                claim.forget(self.step, lambda: monitor.close(stopped))  # the trackers' runs: KILLED
                 self._left_together = True
-                raise stopping.preempted_before_training(self.step)
+                raise stopped
             with advice.out_of_memory_said(lambda exc: self._out_of_memory(f"at step {self.step + 1}", exc)):
                 return self._train(stopping, profiler)
 
