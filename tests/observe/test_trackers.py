@@ -168,55 +168,64 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_starts(tmp_p
 
 
 def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """Stopped at a checkpoint it had logged last (training.stop_at_step, as a SIGTERM stop is), the run
+    goes on in the same MLflow and W&B runs, each step once."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    trackers = 'monitor.trackers=["mlflow", "wandb"]'
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", trackers, "training.stop_at_step=3", extra_env=env))
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", trackers, extra_env=env))
-    expected = {r["step"]: r["loss"] for r in metrics(tmp_path) if "loss" in r}
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", BOTH, "training.stop_at_step=3", extra_env=OFFLINE))
+    resumed = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", BOTH, extra_env=OFFLINE))
+    assert "resumed_from_step" not in resumed.stderr, resumed.stderr
+    expected = logged(tmp_path)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((tmp_path / "mlruns").as_uri())
-    runs = client.search_runs([client.get_experiment_by_name("dtrain").experiment_id])
+    client, runs = mlflow_runs(tmp_path / "mlruns", monkeypatch)
     assert len(runs) == 1  # one MLflow run, continued
-    assert {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "loss")} == pytest.approx(expected)
-    parts = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(parts) == 2 and len({p.name.rsplit("-", 1)[-1] for p in parts}) == 1  # one W&B run id, twice
-    history = {}
-    for part in parts:
-        for record in wandb_records(next(part.glob("run-*.wandb"))):
-            if record.WhichOneof("record_type") == "history":
-                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
-                if "loss" in items:
-                    history[record.history.step.num] = items["loss"]
-    assert history == pytest.approx(expected)
+    history = client.get_metric_history(runs[0].info.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # each step once
+    assert {m.step: m.value for m in history} == pytest.approx(expected)
+    parts = wandb_parts(tmp_path)
+    assert len(parts) == 2 and len({p.parent.name.rsplit("-", 1)[-1] for p in parts}) == 1  # one W&B run id, twice
+    assert {**wandb_history(parts[0]), **wandb_history(parts[1])} == pytest.approx(expected)
 
 
-def test_a_failed_run_is_marked_failed_in_its_trackers(tmp_path, monkeypatch):
-    """Rank 1 is killed at its 4th step: MLflow's run reads FAILED and W&B's exit code is 1 (a crash), rather
-    than both saying the run finished."""
+def test_a_run_resumed_behind_what_it_logged_logs_into_new_tracker_runs(tmp_path, monkeypatch):
+    """Rank 1 is killed at its 6th step: the run had logged steps 1-5, its checkpoint is step 3. MLflow's
+    run reads FAILED and W&B's exit code is 1, rather than both saying the run finished. The rerun resumes
+    from step 3; neither tracker can take steps 4-5 back, so it logs into new runs tagged
+    resumed_from_step=3 (and says so in one line): each run's history holds each step once."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    dying = ["model.name=faults:dying_mlp", "model.options={die_at_forward = 4, die_rank = 1}"]
-    failed = dtrain("run", *JOB, f"run.dir={tmp_path}", 'monitor.trackers=["mlflow", "wandb"]', *dying, extra_env=env)
-    assert failed.returncode != 0 and "rank 1 (local rank 1) was killed by SIGKILL" in failed.stderr, failed.stderr
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((tmp_path / "mlruns").as_uri())
-    (only,) = client.search_runs([client.get_experiment_by_name("dtrain").experiment_id])
-    assert only.info.status == "FAILED"
-    (part,) = (tmp_path / "wandb").glob("offline-run-*")
-    exits = [
-        r.exit.exit_code for r in wandb_records(next(part.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "exit"
-    ]
+    dying = ["model.name=faults:dying_mlp", "model.options={die_at_forward = 6, die_rank = 1}"]
+    job = [*JOB, f"run.dir={tmp_path}", BOTH, "checkpoint.every_steps=3"]
+    failed = dtrain("run", *job, *dying, extra_env=OFFLINE)
+    assert failed.returncode == 1 and "rank 1 (local rank 1) was killed by SIGKILL" in failed.stderr, failed.stderr
+    assert sorted(logged(tmp_path)) == [1, 2, 3, 4, 5]
+    client, (crashed,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert crashed.info.status == "FAILED"
+    (first,) = wandb_parts(tmp_path)
     # W&B writes its exit record from its own service; a rank stopped by the agent may end before it
     # comes (seen under load). What must never be there is an exit record saying the run succeeded.
-    assert all(code == 1 for code in exits), exits
+    assert all(code == 1 for code in wandb_exits(first)), wandb_exits(first)
+
+    resumed = ok(dtrain("run", *job, "model.name=faults:dying_mlp", extra_env=OFFLINE))
+    line = (
+        "the interrupted run logged past step 3 and MLflow and W&B cannot take those points back: this run "
+        "logs from step 4 into new MLflow and W&B runs tagged resumed_from_step=3"
+    )
+    assert resumed.stderr.count(line) == 1, resumed.stderr
+    expected = logged(tmp_path)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    _, (crashed, new) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert (crashed.info.status, new.info.status) == ("FAILED", "FINISHED")
+    assert new.data.tags["dtrain.resumed_from_step"] == "3" and new.data.params["optimizer.lr"] == "0.2"
+    history = client.get_metric_history(new.info.run_id, "loss")
+    assert sorted(m.step for m in history) == [4, 5, 6]  # each step once
+    assert {m.step: m.value for m in history} == pytest.approx({s: expected[s] for s in (4, 5, 6)})
+    first, second = wandb_parts(tmp_path)
+    assert first.parent.name.rsplit("-", 1)[-1] != second.parent.name.rsplit("-", 1)[-1]  # a new W&B run
+    tags = [t for r in wandb_records(second) if r.WhichOneof("record_type") == "run" for t in r.run.tags]
+    assert "resumed_from_step=3" in tags
+    assert wandb_history(second) == pytest.approx({s: expected[s] for s in (4, 5, 6)})
+    assert wandb_exits(second) == [0]
 
 
 def test_a_diverged_run_is_failed_with_exit_code_2_in_its_trackers(tmp_path, monkeypatch):

@@ -331,18 +331,22 @@ def _space_hint(store: CheckpointStore) -> str:
     return ""
 
 
-def truncate_metrics(path: Path, step: int, drop_eval_at_step: bool) -> None:
+def truncate_metrics(path: Path, step: int, drop_eval_at_step: bool) -> bool:
     """Drop what an interrupted run logged after the checkpoint it resumes from (and its eval at that
-    step when the resumed run evaluates it again), so the file reads as one run."""
+    step when the resumed run evaluates it again), so the file reads as one run. Whether it dropped any
+    record (the trackers, which cannot, then start new runs: observe/trackers.py)."""
     if not path.is_file():
-        return
-    kept = []
+        return False
+    kept, dropped = [], False
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut short by the interruption
+            continue  # a line cut short by the interruption (logged nowhere else: monitor.py writes here first)
         at = record.get("step", 0)
         if at < step or (at == step and not ("eval_loss" in record and drop_eval_at_step)):
             kept.append(line)
+        else:
+            dropped = True
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return dropped

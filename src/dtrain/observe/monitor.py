@@ -49,7 +49,10 @@ class Monitor:
         purge_after: int | None = None,
         trackers: Sequence[str] = ("tensorboard",),
         config: dict[str, Any] | None = None,
+        logged_past: bool = False,
     ):
+        """`purge_after`: the step of the checkpoint a resumed run continues; `logged_past`: the interrupted
+        run had logged beyond it (the trackers then start new runs: see trackers.py)."""
         self.enabled = enabled
         self._stragglers: tuple = ()
         self._bar = None
@@ -65,9 +68,9 @@ class Monitor:
             self._writer = SummaryWriter(
                 log_dir=str(run_dir / "tensorboard"), purge_step=None if purge_after is None else purge_after + 1
             )
-        self._trackers = open_trackers(
-            [t for t in trackers if t != "tensorboard"], run_dir, config or {}, resuming=purge_after is not None
-        )
+        others = [t for t in trackers if t != "tensorboard"]
+        resumed_from = purge_after if logged_past else None
+        self._trackers = open_trackers(others, run_dir, config or {}, purge_after is not None, resumed_from)
         self._metrics = (run_dir / "metrics.jsonl").open("a" if initial_step else "w")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
@@ -85,12 +88,14 @@ class Monitor:
         """Write one metrics record (train or eval) everywhere it belongs."""
         if not self.enabled or self._metrics is None:  # not rank 0, or closed
             return
+        # metrics.jsonl first, so that it holds whatever a tracker holds: a resume reads from it whether
+        # the trackers hold steps past its checkpoint (trackers.py).
+        self._metrics.write(json.dumps(_strict_json(record)) + "\n")
+        self._metrics.flush()
         if self._writer is not None:
             self._tensorboard(record)
         for tracker in self._trackers:
             tracker.log(record)
-        self._metrics.write(json.dumps(_strict_json(record)) + "\n")
-        self._metrics.flush()
         line = format_record(record)
         if self._bar is not None and "eval_loss" not in record:
             self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress

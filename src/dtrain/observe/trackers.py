@@ -6,7 +6,10 @@ MLflow logs to a local store under run.dir/mlruns unless MLFLOW_TRACKING_URI nam
 MLFLOW_EXPERIMENT_NAME, default "dtrain"); W&B writes under run.dir/wandb and honours WANDB_MODE=offline
 (project WANDB_PROJECT, default "dtrain"). Both get the resolved config as parameters and every numeric
 metric of every record at its step. Each is an optional extra, named in one line when it is missing.
-A run ends its tracker runs as it ended (`ending`).
+
+A run ends its tracker runs as it ended (`ending`). A resumed run continues its earlier tracker runs, unless
+the interrupted run logged past the checkpoint it resumes from: neither tracker can take those points back,
+so the resumed run logs into new tracker runs tagged with the step it resumed from.
 """
 
 from __future__ import annotations
@@ -63,10 +66,20 @@ def ending(error: BaseException | None) -> tuple[str, int]:
     return "FAILED", EXIT_USAGE if isinstance(error, DtrainError) else 1
 
 
-class MLflowTracker:
-    """A resumed run continues the MLflow run it started (found by its run.dir tag)."""
+def restart_line(names: list[str], step: int) -> str:
+    """The console line for tracker runs started anew on resume (see the module's docstring)."""
+    which = " and ".join({"mlflow": "MLflow", "wandb": "W&B"}[n] for n in names)
+    return (
+        f"the interrupted run logged past step {step} and {which} cannot take those points back: this run "
+        f"logs from step {step + 1} into new {which} runs tagged resumed_from_step={step}"
+    )
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
+
+class MLflowTracker:
+    """A resumed run continues the MLflow run it started (found by its run.dir tag), or starts a new one
+    tagged dtrain.resumed_from_step (`resumed_from`: the interrupted run logged past the checkpoint)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False, resumed_from: int | None = None):
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -85,13 +98,16 @@ class MLflowTracker:
                 max_results=1,
                 output_format="list",
             )
-            if resuming
+            if resuming and resumed_from is None
             else []
         )
         if earlier:
             self._run = mlflow.start_run(run_id=earlier[0].info.run_id)
         else:
-            self._run = mlflow.start_run(run_name=run_dir.absolute().name, tags={"dtrain.run_dir": where})
+            tags = {"dtrain.run_dir": where}
+            if resumed_from is not None:
+                tags["dtrain.resumed_from_step"] = str(resumed_from)
+            self._run = mlflow.start_run(run_name=run_dir.absolute().name, tags=tags)
             mlflow.log_params({k: str(v)[:500] for k, v in flat(config).items()})
 
     def log(self, record: dict[str, Any]) -> None:
@@ -102,13 +118,16 @@ class MLflowTracker:
 
 
 class WandbTracker:
-    """A resumed run continues the W&B run it started (its id read from run.dir/wandb/latest-run)."""
+    """A resumed run continues the W&B run it started (its id read from run.dir/wandb/latest-run), or
+    starts a new one tagged resumed_from_step=N (`resumed_from`: the interrupted run logged past the
+    checkpoint, and W&B drops what a run logs at a step it has passed)."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False):
+    def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False, resumed_from: int | None = None):
         import wandb
 
         latest = run_dir / "wandb" / "latest-run"
-        earlier = os.readlink(latest).rsplit("-", 1)[-1] if resuming and latest.is_symlink() else None
+        continuing = resuming and resumed_from is None and latest.is_symlink()
+        earlier = os.readlink(latest).rsplit("-", 1)[-1] if continuing else None
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "dtrain"),
             dir=str(run_dir),
@@ -116,6 +135,7 @@ class WandbTracker:
             name=run_dir.absolute().name,
             id=earlier,
             resume="allow" if earlier else None,
+            tags=None if resumed_from is None else [f"resumed_from_step={resumed_from}"],
         )
 
     def log(self, record: dict[str, Any]) -> None:
@@ -125,9 +145,16 @@ class WandbTracker:
         self._run.finish(exit_code=exit_code)  # W&B marks a non-zero exit failed
 
 
-def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], resuming: bool = False) -> list[Any]:
+def open_trackers(
+    names: list[str],
+    run_dir: Path,
+    config: dict[str, Any],
+    resuming: bool = False,
+    resumed_from: int | None = None,
+) -> list[Any]:
     """The trackers besides TensorBoard (which the monitor writes itself), started; `resuming`: the run
-    continues from a checkpoint, and each tracker continues its own earlier run."""
+    continues from a checkpoint, and each tracker continues its own earlier run — or starts a new one,
+    when the interrupted run logged past that checkpoint (`resumed_from`, the checkpoint's step)."""
     check_installed(names)
     kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
-    return [kinds[name](run_dir, config, resuming) for name in names if name in kinds]
+    return [kinds[name](run_dir, config, resuming, resumed_from) for name in names if name in kinds]

@@ -25,6 +25,7 @@ from dtrain.data import TrainBatches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 from dtrain.observe.monitor import Monitor
+from dtrain.observe.trackers import restart_line
 from dtrain.train.optim import LRShape
 
 # The optimizer settings a config sets besides the learning rate (which the schedule owns).
@@ -132,23 +133,28 @@ class ResumePlan:
         `said` (how the run starts), which attempt this is, and what changed since the checkpoint."""
         run_dir, is_main = self.run_dir, session.is_main
         continuing = self.resumed_from is not None and step < total_steps
+        logged_past = False  # the interrupted run logged after the checkpoint: new tracker runs
         if is_main:
             atomic_write_text(run_dir / "config.toml", rundir.CONFIG_HEADER + config.to_toml())
             if continuing:
                 # An epoch that ended exactly at the checkpoint is evaluated again on resume.
                 epoch_end_pending = step == (epoch + 1) * steps_per_epoch
-                truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=epoch_end_pending)
+                logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=epoch_end_pending)
+        trackers = config.monitor.trackers
         monitor = Monitor(
             run_dir,
             is_main,
             total_steps,
             step,
             purge_after=step if continuing else None,
-            trackers=config.monitor.trackers,
+            trackers=trackers,
             config=config.to_dict(),
+            logged_past=logged_past,
         )
+        others = [t for t in trackers if t != "tensorboard"]
+        restarted = restart_line(others, step) if logged_past and others else None
         attempt = distributed.describe_attempt(session.world_size)
-        for line in (*said, attempt, *self.lines(step, steps_per_epoch, total_steps)):
+        for line in (*said, attempt, *self.lines(step, steps_per_epoch, total_steps), restarted):
             if line:
                 monitor.info(line)
         return monitor
