@@ -1,12 +1,16 @@
 """MLflow and Weights & Biases, for real and offline: rank 0 alone logs every record at its step and the
 resolved config; a tracker that is not installed is refused in one line before anything starts."""
 
+import contextlib
+import http.server
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -327,3 +331,100 @@ def test_a_sigterm_before_the_first_step_ends_the_tracker_run_killed(tmp_path, m
     assert [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")] == []
     _, (only,) = mlflow_runs(store, monkeypatch)
     assert only.info.status == "KILLED"
+
+
+# --- tracker servers, checked before anything starts ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_server(status):
+    """An HTTP server on 127.0.0.1 answering every request with `status`; yields its URL."""
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def unused_port():
+    """A loopback port nobody listens on (bound, then closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+WANDB_ONLINE = {"WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40, "WANDB_SILENT": "true"}
+
+
+def refused(tmp_path, trackers, extra_env):
+    """The one line a job logging to `trackers` is refused with, before run.dir is even made."""
+    result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", f"monitor.trackers={trackers}", extra_env=extra_env)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+    return result.stderr.strip()
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("mlflow")
+    uri = f"http://127.0.0.1:{unused_port()}"
+    assert refused(tmp_path, '["mlflow"]', {"MLFLOW_TRACKING_URI": uri}) == (
+        f"dtrain: error: no MLflow server answers at MLFLOW_TRACKING_URI={uri} (Connection refused); start it, "
+        "point MLFLOW_TRACKING_URI at one that runs, or unset it to log under run.dir/mlruns"
+    )
+    with local_server(503) as uri:
+        assert f"no MLflow server answers at MLFLOW_TRACKING_URI={uri} (HTTP 503)" in refused(
+            tmp_path, '["mlflow"]', {"MLFLOW_TRACKING_URI": uri}
+        )
+
+
+def test_wandb_online_with_a_refused_key_or_none_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("wandb")
+    with local_server(401) as url:
+        assert refused(tmp_path, '["wandb"]', {**WANDB_ONLINE, "WANDB_BASE_URL": url}) == (
+            f"dtrain: error: W&B at {url} refuses the API key from WANDB_API_KEY (HTTP 401); run wandb login "
+            "--relogin with a valid key, or set WANDB_MODE=offline (wandb sync uploads the run later)"
+        )
+    url = f"http://127.0.0.1:{unused_port()}"
+    assert f"W&B at {url} does not answer (Connection refused)" in refused(
+        tmp_path, '["wandb"]', {**WANDB_ONLINE, "WANDB_BASE_URL": url}
+    )
+    no_key = {**WANDB_ONLINE, "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_BASE_URL": url}
+    assert f"W&B logs online and finds no API key for {url}: run wandb login" in refused(tmp_path, '["wandb"]', no_key)
+
+
+def test_a_tracker_server_that_accepts_but_never_answers_is_given_up_on(monkeypatch):
+    """A server that takes the connection and says nothing (a hung proxy): given up after its timeout, not
+    waited on for minutes; one that answers 200 passes."""
+    from dtrain.observe import tracker_servers
+
+    monkeypatch.setattr(tracker_servers, "TIMEOUT_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        with pytest.raises(ConfigError, match=f"no MLflow server answers at MLFLOW_TRACKING_URI={uri} \\(timed out\\)"):
+            tracker_servers.check_servers(["mlflow"])
+    with local_server(200) as uri:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.setenv("WANDB_BASE_URL", uri)
+        for name, value in WANDB_ONLINE.items():
+            monkeypatch.setenv(name, value)
+        tracker_servers.check_servers(["mlflow", "wandb"])

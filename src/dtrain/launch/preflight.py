@@ -11,6 +11,7 @@ from dtrain import checkpoint, data, distributed, parallel, rundir
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.launch import gpus as devices
+from dtrain.observe.tracker_servers import check_servers
 from dtrain.observe.trackers import check_installed
 from dtrain.parallel.ddp_comm import check_comm_hook
 from dtrain.rundir.lock import RunDirLock
@@ -23,7 +24,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     run_dir = Path(config.run.dir)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
-    check_installed([t for t in config.monitor.trackers if t != "tensorboard"])
+    trackers = [t for t in config.monitor.trackers if t != "tensorboard"]
+    check_installed(trackers)
+    check_servers(trackers)  # within seconds, where the trackers' own clients would wait for minutes
     backend = distributed.resolve_backend(config.distributed.backend)
     check_comm_hook(config.distributed.comm_hook, backend)
     problem = parallel.check_sharding(config, world_size, local_world_size)
