@@ -77,7 +77,8 @@ def restart_line(names: list[str], step: int) -> str:
 
 class MLflowTracker:
     """A resumed run continues the MLflow run it started (found by its run.dir tag), or starts a new one
-    tagged dtrain.resumed_from_step (`resumed_from`: the interrupted run logged past the checkpoint)."""
+    tagged dtrain.resumed_from_step (`resumed_from`: the interrupted run logged past the checkpoint),
+    ending the earlier one FAILED if the process that ran it was killed before it could."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False, resumed_from: int | None = None):
         import mlflow
@@ -98,12 +99,16 @@ class MLflowTracker:
                 max_results=1,
                 output_format="list",
             )
-            if resuming and resumed_from is None
+            if resuming
             else []
         )
-        if earlier:
+        if earlier and resumed_from is None:
             self._run = mlflow.start_run(run_id=earlier[0].info.run_id)
         else:
+            if earlier and earlier[0].info.status == "RUNNING":
+                # Its process ended without ending it (SIGKILL, the OOM killer, a lost node) and run.dir's
+                # lock rules out a live one: nothing else ever will.
+                mlflow.MlflowClient().set_terminated(earlier[0].info.run_id, status="FAILED")
             tags = {"dtrain.run_dir": where}
             if resumed_from is not None:
                 tags["dtrain.resumed_from_step"] = str(resumed_from)
