@@ -344,6 +344,17 @@ def test_a_sigterm_before_the_first_step_ends_the_tracker_run_killed(tmp_path, m
     assert only.info.status == "KILLED"
 
 
+def test_a_sigterm_while_a_failed_run_ends_its_tracker_runs_does_not_cut_them_short(tmp_path, monkeypatch):
+    """torchrun's agent stops a failed job's other ranks with SIGTERM, maybe while rank 0 is ending its
+    tracker runs: that SIGTERM only sets the stop flag then, so MLflow's run is ended (FAILED), not left
+    RUNNING or half-written by a process killed mid-write, and the run exits with its own status."""
+    pytest.importorskip("mlflow")
+    result = run([sys.executable, str(WORKERS / "sigterm_at_close.py"), str(tmp_path)])
+    assert result.returncode == 2 and "training diverged" in result.stderr, result.stderr
+    _, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
+    assert only.info.status == "FAILED"
+
+
 # --- tracker servers, checked before anything starts ---------------------------------------------------
 
 

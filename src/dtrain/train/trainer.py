@@ -127,8 +127,8 @@ class Trainer:
             self._build(self.session)
             self._resume(self.session, self.claim)
         except BaseException as exc:
-            self.stop_request.uninstall()
             self.claim.forget(self.step, functools.partial(self.monitor.close, exc) if self.monitor else None)
+            self.stop_request.uninstall()
             self.claim.release(remove_if_created=True)
             distributed.stop(self.session)
             if advice.is_out_of_memory(exc):
@@ -196,8 +196,10 @@ class Trainer:
             held.callback(lambda: distributed.stop(session, self._left_together))
             held.callback(claim.release)
             held.callback(lambda: None if self._left_together else claim.forget(self.step, monitor.close))
-            held.push(lambda _kind, error, _trace: monitor.close(error))  # a failed run: trackers say so
             held.enter_context(stopping.request)  # SIGTERM asks the run to stop: see stopping.py
+            # A failed run's trackers say so, ended while a SIGTERM (a failed job's other ranks being
+            # stopped) still only sets the flag: it must not cut their last writes short.
+            held.push(lambda _kind, error, _trace: monitor.close(error))
             held.callback(profiler.close)
             watch.start()
             held.callback(watch.stop)
