@@ -54,6 +54,16 @@ def refused(result, message: str, tmp_path) -> None:
             "for the synthetic data set; use fewer samples or smaller inputs",
         ),
         (
+            ['data.name="digits'],
+            'data.name = "digits on the command line: its quotes do not pair up into one string; '
+            "write data.name=digits",
+        ),
+        (
+            ["data.input_shape=[1,", "2]"],
+            "data.input_shape = [1, on the command line: its '[' is never closed; quote the whole override for the "
+            "shell, e.g. 'data.input_shape=[1]'",
+        ),
+        (
             ["--nnodes", "2"],
             "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that every node can reach)",
         ),
@@ -265,3 +275,11 @@ def test_outputs_get_the_users_normal_file_mode(tmp_path):
 )
 def test_factories_of_the_wrong_kind_are_reported_once_by_the_workers(tmp_path, args, message):
     refused(dtrain("run", CFG, *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}"), message, tmp_path)
+
+
+def test_a_quoted_run_dir_is_the_folder_between_the_quotes(tmp_path):
+    """'run.dir="runs/a"' (quoted twice, as lists must be) trains into runs/a; nothing named '"' appears."""
+    config = dtrain("config", CFG, 'run.dir="runs/a b"', "data.name='digits'")
+    assert config.returncode == 0 and 'dir = "runs/a b"' in config.stdout, config.stderr
+    ok(dtrain("run", str(ROOT / CFG), 'run.dir="runs/a"', "training.max_steps=2", "monitor.trackers=[]", cwd=tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"] and (tmp_path / "runs" / "a" / "model.safetensors").exists()

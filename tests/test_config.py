@@ -64,6 +64,16 @@ def test_a_number_typed_into_a_text_key_stays_text():
     assert load_config(None, ["run.dir=123"]).run.dir == "123"
 
 
+def test_a_toml_string_override_is_its_value():
+    """Quotes that reach dtrain (quoted twice in the shell, or from Python) make a TOML string, whose value
+    is the text between them: not a folder or data set whose name begins with a quote."""
+    for override in ['run.dir="/x y"', "run.dir='/x y'", 'run.dir = "/x y" ']:
+        assert load_config(None, [override]).run.dir == "/x y"
+    assert load_config(None, ['data.name="tokens"']).data.name == "tokens"
+    assert load_config(None, ["run.dir=runs/bob's", "data.name=tokens"]).run.dir == "runs/bob's"
+    assert load_config(None, ['model.options.note="[a"']).model.options == {"note": "[a"}
+
+
 def test_resolved_config_round_trips(tmp_path):
     c = load_config(ROOT / "examples" / "digits_mlp.toml", ["training.epochs=2", "model.options.unused=1"])
     out = tmp_path / "config.toml"
@@ -106,6 +116,21 @@ def test_resolved_config_round_trips(tmp_path):
         ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
         ("training.compile=yes", "training.compile must be one of none, blocks, model (or true, false); got 'yes'"),
         ("distributed.strategy=FSDP", "did you mean 'fsdp'?"),
+        (
+            'run.dir="abc',
+            'run.dir = "abc on the command line: its quotes do not pair up into one string; write run.dir=abc',
+        ),
+        ("run.dir=abc'", "its quotes do not pair up into one string; write run.dir=abc"),
+        ('data.name=my"data', "its quotes do not pair up into one string; write data.name=mydata"),
+        ('run.dir="', 'run.dir = " on the command line: a lone quote is no value; write run.dir=VALUE'),
+        (
+            "data.input_shape=[1, 2",
+            "data.input_shape = [1, 2 on the command line: its '[' is never closed; quote the whole override for "
+            "the shell, e.g. 'data.input_shape=[1, 2]'",
+        ),
+        ("data.input_shape=[1,", "its '[' is never closed; quote the whole override for the shell, e.g."),
+        ("run.dir=x]", "run.dir = x] on the command line: its ']' closes nothing; leave it out, or write a whole"),
+        ("model.options={a = 1", "its '{' is never closed; quote the whole override for the shell, e.g. 'model.op"),
     ],
 )
 def test_bad_overrides_get_one_clear_line(override, message):

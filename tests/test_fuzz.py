@@ -7,16 +7,17 @@ import contextlib
 import json
 import shutil
 import string
+import typing
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dtrain
 from dtrain.checkpoint import finished
 from dtrain.checkpoint import preflight as checkpoint_preflight
 from dtrain.commands.report import build_figures, load_records, summary
-from dtrain.config import Config, all_keys, load_config
+from dtrain.config import Config, all_keys, load_config, tomllib
 from dtrain.data import mnist
 from dtrain.errors import DtrainError
 from helpers import ROOT
@@ -76,6 +77,47 @@ def test_any_override_is_accepted_or_refused_in_one_line(key, value):
         assert "\n" not in str(exc) and str(exc)
         return
     Config.from_dict(config.to_dict())  # what was accepted also round-trips through config.toml
+
+
+def _keys_of(*kinds) -> list[str]:
+    """Every key whose type is one of `kinds` (typing.Literal standing for any choice)."""
+    from dtrain.config import SECTIONS
+
+    config = Config()
+    return [
+        f"{s}.{name}"
+        for s in SECTIONS
+        for name, kind in typing.get_type_hints(type(getattr(config, s))).items()
+        if kind in kinds or typing.get_origin(kind) in kinds
+    ]
+
+
+_STR_KEYS = _keys_of(str)
+
+
+@fuzz(300)
+@given(
+    key=st.sampled_from(_keys_of(str, typing.Literal)),
+    text=st.text(alphabet=string.ascii_letters + string.digits + " /._-:[]{}#=,~$@", max_size=16).map(str.strip),
+    quote=st.sampled_from(['"', "'"]),
+)
+def test_a_quoted_override_is_the_text_between_its_quotes(key, text, quote):
+    """key="text" and key='text' (TOML strings) mean what key=text means, when text is text (a number or
+    true typed into a choice is not: training.compile=true means blocks, "true" is no choice); where text
+    with a stray bracket is refused unquoted, quoted it is a value like any other."""
+    with contextlib.suppress(tomllib.TOMLDecodeError):
+        assume(key in _STR_KEYS or isinstance(tomllib.loads(f"v = {text}")["v"], str))
+    try:
+        plain: Config | str = load_config(None, [f"{key}={text}"])
+    except DtrainError as exc:
+        plain = str(exc)
+    try:
+        quoted: Config | str = load_config(None, [f"{key}={quote}{text}{quote}"])
+    except DtrainError as exc:
+        assert "\n" not in str(exc) and "on the command line:" not in str(exc), str(exc)
+        quoted = str(exc)
+    if isinstance(plain, Config) or "on the command line:" not in plain:
+        assert quoted == plain
 
 
 def extremes() -> list[tuple[str, str]]:

@@ -214,7 +214,7 @@ def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) 
             raise ConfigError(
                 f"override '{item}' names a section, not a key; e.g. {section_name}.{_field_names(section)[0]}=..."
             )
-        _assign(section, key, parse_value(text), "on the command line", raw_text=text)
+        _assign(section, key, parse_value(key, text), "on the command line", raw_text=text)
     validate(config)
     return config
 

@@ -70,7 +70,7 @@ def coerce(key: str, value: Any, type_: Any, meta: Mapping[str, Any], raw_text: 
             raise ConfigError(f"{key} must be true or false; got {describe(value)}")
         return value
     if type_ is str:
-        if raw_text is not None:  # from the command line: keep exactly what was typed
+        if raw_text is not None and not isinstance(value, str):  # run.dir=123: keep the text typed
             value = raw_text.strip()
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string; got {describe(value)}")
@@ -116,12 +116,49 @@ def where(source: str) -> str:
     return source if source.startswith("on ") else f"in {source}"
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value: a TOML literal when it is one (3, 0.05, true, [1, 2]), else text."""
+def parse_value(key: str, text: str) -> Any:
+    """A command-line value: a TOML literal when it is one (3, 0.05, true, [1, 2], "a b", 'a b'), else the
+    text as typed. Text with a quote or bracket that does not pair up cannot be what was meant (quoting that
+    arrived in half, a list the shell split at its spaces): it is refused, not kept as a name, quotes and all."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text.strip()
+        pass
+    text = text.strip()
+    problem = _quoting_problem(key, text) or _bracket_problem(key, text)
+    if problem:
+        raise ConfigError(f"{key} = {text} on the command line: {problem}")
+    return text
+
+
+# A double quote anywhere, or a quote at either end, of text that is not a TOML string is quoting gone
+# wrong; an apostrophe inside a name (runs/bob's) is not.
+_QUOTES = ('"', "'")
+_PAIRS = {"[": "]", "{": "}"}
+
+
+def _quoting_problem(key: str, text: str) -> str | None:
+    if '"' not in text and not (text.startswith(_QUOTES) or text.endswith(_QUOTES)):
+        return None
+    bare = text.replace('"', "") if '"' in text else text.strip("'")
+    return (
+        f"its quotes do not pair up into one string; write {key}={bare}"
+        if bare.strip()
+        else f"a lone quote is no value; write {key}=VALUE"
+    )
+
+
+def _bracket_problem(key: str, text: str) -> str | None:
+    unclosed: list[str] = []
+    for char in text:
+        if char in _PAIRS:
+            unclosed.append(char)
+        elif char in _PAIRS.values() and (not unclosed or _PAIRS[unclosed.pop()] != char):
+            return f"its '{char}' closes nothing; leave it out, or write a whole TOML list such as [1, 2]"
+    if not unclosed:
+        return None
+    closed = text.rstrip(", ") + "".join(_PAIRS[c] for c in reversed(unclosed))
+    return f"its '{unclosed[-1]}' is never closed; quote the whole override for the shell, e.g. '{key}={closed}'"
 
 
 def inline(value: Any) -> str:
