@@ -64,6 +64,16 @@ def refused(result, message: str, tmp_path) -> None:
             "shell, e.g. 'data.input_shape=[1]'",
         ),
         (
+            ["model.name=gpt"],
+            "model.name = 'gpt' takes token ids (integers: data.name=tokens); data.name = 'digits' gives features; "
+            "use model.name=mlp",
+        ),
+        (["model.options.hidden_size=-3"], "model.options.hidden_size must be >= 1; got -3"),
+        (
+            ["data.name=synthetic", "data.input_shape=[1, 8, 8]", "model.name=cnn", "model.options.channels=0"],
+            "model.options.channels must be >= 1; got 0",
+        ),
+        (
             ["--nnodes", "2"],
             "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (an address of the first node that every node can reach)",
         ),
@@ -95,17 +105,56 @@ def test_missing_and_broken_config_files(tmp_path):
     )
 
 
-def test_a_problem_only_workers_can_see_is_reported_once(tmp_path):
-    # The cnn needs image-shaped inputs; digits are flat: only building the model finds out, in
-    # each of the 2 workers. The launcher prints it once.
-    refused(
-        dtrain("run", CFG, "--nproc", "2", "model.name=cnn", f"run.dir={tmp_path / 'run'}"),
-        "model.name = 'cnn' needs image inputs shaped C×H×W; the data gives [64]; use model.name=mlp",
-        tmp_path,
-    )
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("cnn", "model.name = 'cnn' needs image inputs shaped C×H×W; the data gives [6]; use model.name=mlp"),
+        (
+            "gpt",
+            "model.name = 'gpt' takes token ids (integers: data.name=tokens); data.name = 'user_factories:tiny_data' "
+            "gives features; use model.name=mlp",
+        ),
+    ],
+)
+def test_a_problem_only_workers_can_see_is_reported_once(tmp_path, model, message):
+    # A factory's data set: only the workers, having built it, see that its flat float samples fit neither
+    # the cnn (images) nor the gpt (token ids), each of the 2. The launcher prints it once.
+    args = ["--nproc", "2", "data.name=user_factories:tiny_data", f"model.name={model}", f"run.dir={tmp_path / 'run'}"]
+    refused(dtrain("run", CFG, *args), message, tmp_path)
 
 
-def test_workers_under_plain_torchrun_print_once_too(tmp_path):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            [CFG, "model.name=gpt"],
+            "model.name = 'gpt' takes token ids (integers: data.name=tokens); data.name = 'digits' gives features; "
+            "use model.name=mlp",
+        ),
+        (
+            ["examples/mnist_mlp.toml", "model.name=gpt"],
+            "model.name = 'gpt' takes token ids (integers: data.name=tokens); data.name = 'mnist' gives features; "
+            "use model.name=mlp",
+        ),
+        (
+            ["examples/gpt_stdlib.toml", "model.name=mlp"],
+            "model.name = 'mlp' takes features (floating-point values: digits, mnist, synthetic); data.name = "
+            "'tokens' gives token ids; use model.name=gpt",
+        ),
+        (["examples/gpt_stdlib.toml", "model.options.n_head=0"], "model.options.n_head must be >= 1; got 0"),
+    ],
+)
+def test_dtrain_config_refuses_what_dtrain_run_would(args, message):
+    """`dtrain config` answers as `dtrain run` does, without reading data: no token files needed."""
+    result = dtrain("config", *args)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"dtrain: error: {message}\n")
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [("cnn", "model.name = 'cnn' needs image inputs"), ("gpt", "model.name = 'gpt' takes token ids")],
+)
+def test_workers_under_plain_torchrun_print_once_too(tmp_path, model, message):
     result = run(
         [
             sys.executable,
@@ -117,13 +166,13 @@ def test_workers_under_plain_torchrun_print_once_too(tmp_path):
             "dtrain",
             "run",
             CFG,
-            "model.name=cnn",
+            f"model.name={model}",
             f"run.dir={tmp_path / 'run'}",
         ],
         extra_env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode != 0
-    assert result.stderr.count("model.name = 'cnn' needs image inputs") == 1
+    assert result.stderr.count(message) == 1, result.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -141,6 +141,38 @@ def test_bad_overrides_get_one_clear_line(override, message):
     assert "\n" not in text
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.options.n_layer=0"], "model.options.n_layer must be >= 1; got 0"),
+        (["model.options.n_head=0"], "model.options.n_head must be >= 1; got 0"),
+        (["model.options.n_embd=-8"], "model.options.n_embd must be >= 1; got -8"),
+        (["model.options.block_size=0"], "model.options.block_size must be >= 1; got 0"),
+        (["model.options.dropout=1.5"], "model.options.dropout must be <= 1; got 1.5"),
+        (["model.options.n_layer=two"], "model.options.n_layer must be an integer; got 'two' (string)"),
+        (["model.options.bias=1"], "model.options.bias must be true or false; got 1 (integer)"),
+    ],
+)
+def test_built_in_gpt_options_that_cannot_build_are_refused(overrides, message):
+    """The built-in models' options have types and bounds as keys do: refused where the config is read
+    (dtrain config, the launcher, load_config), not by torch in every worker."""
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "examples" / "gpt_stdlib.toml", overrides)
+    assert str(info.value) == message
+    for model, key in (("mlp", "hidden_size"), ("cnn", "channels")):
+        with pytest.raises(ConfigError, match=rf"^model.options.{key} must be >= 1; got 0$"):
+            load_config(None, [f"model.name={model}", f"model.options.{key}=0"])
+    gpt = load_config(ROOT / "examples" / "gpt_stdlib.toml", ["model.options.dropout=0"]).model.options
+    assert gpt["dropout"] == 0.0 and isinstance(gpt["dropout"], float)
+
+
+def test_a_script_with_its_own_model_may_leave_model_name_as_it_is():
+    """load_config does not compare model.name with the data: a script that hands Trainer its own model
+    (examples/hf_causal_lm.py: token data, model.name left at mlp) never uses it. dtrain run and dtrain
+    config, which build model.name, refuse a model that cannot train on the data (test_cli_errors)."""
+    assert load_config(None, ["data.name=tokens"]).model.name == "mlp"
+
+
 def test_settings_that_contradict_each_other_are_refused():
     with pytest.raises(ConfigError, match="optimizer.nesterov = true needs momentum"):
         load_config(None, ["optimizer.momentum=0", "optimizer.nesterov=true"])
@@ -193,3 +225,18 @@ def test_a_misspelt_attribute_raises_instead_of_adding_itself():
         config.trainig = config.training
     config.training.grad_accum_steps = 2
     assert config.training.grad_accum_steps == 2
+
+
+def test_the_built_in_models_declared_options_are_their_builders():
+    """What the config checks of model.options (sections.MODEL_OPTIONS) is what each builder takes, and
+    each built-in model and data set says what kind of samples it takes or gives."""
+    import inspect
+
+    from dtrain import models
+    from dtrain.config.sections import DATA_GIVES, MODEL_OPTIONS, MODEL_TAKES
+
+    for name, builder in models.BUILT_IN.items():
+        params = set(inspect.signature(builder).parameters) - {"input_shape", "num_classes"}
+        assert set(MODEL_OPTIONS[name]) == params, name
+    assert set(MODEL_TAKES) == set(models.BUILT_IN)
+    assert set(MODEL_TAKES.values()) == set(DATA_GIVES.values()) == {"tokens", "features"}

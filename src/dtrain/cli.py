@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from dtrain import __version__, console, early_stop
-from dtrain.config import idle_settings, read_config
+from dtrain.config import check_model_fits_data, idle_settings, read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
 
 # torch is imported only after the command line and config have been checked, so that a typo is
@@ -203,6 +203,7 @@ def cmd_config(argv: Sequence[str]) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     config, notes = read_config(args.config, args.overrides)
+    check_model_fits_data(config)  # as `dtrain run` would
     _say_notes([*notes, *idle_settings(config)])
     sys.stdout.write(config.to_toml())
     return 0

@@ -17,7 +17,7 @@ from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
 from dtrain.rundir.lock import RunDirLock
-from helpers import WORKERS, assert_weights_close, dtrain, ok, run, torchrun, train_lines, weights
+from helpers import ROOT, WORKERS, assert_weights_close, dtrain, ok, run, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
@@ -267,6 +267,12 @@ def test_meta_json_problems_are_one_line(prepared, tmp_path):
             ["model.options={n_layer = 1, n_head = 1, n_embd = 8, block_size = 16}"],
             "model.options.block_size = 16 is shorter than data.block_size = 32; raise it or lower data.block_size",
         ),
+        (
+            ["model.name=mlp"],
+            "model.name = 'mlp' takes features (floating-point values: digits, mnist, synthetic); data.name = "
+            "'tokens' gives token ids; use model.name=gpt",
+        ),
+        (["model.options.n_embd=33"], "model.options.n_embd = 33 must be a multiple of n_head = 2"),
     ],
 )
 def test_token_jobs_that_cannot_work_are_refused_in_one_line(prepared, tmp_path, args, message):
@@ -274,6 +280,35 @@ def test_token_jobs_that_cannot_work_are_refused_in_one_line(prepared, tmp_path,
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["model.name=mlp"],
+            "model.name = 'mlp' takes features (floating-point values: digits, mnist, synthetic); data.name = "
+            "'tokens' gives token ids; use model.name=gpt",
+        ),
+        (["model.name=cnn"], "model.name = 'cnn' takes features (floating-point values"),
+        (["model.options.n_embd=33"], "model.options.n_embd = 33 must be a multiple of n_head = 2"),
+        (["model.options.block_size=16"], "model.options.block_size = 16 is shorter than data.block_size = 32"),
+        (["model.options.vocab_size=50"], "model.options.vocab_size = 50 is smaller than the data's vocabulary"),
+        (["model.options.n_layers=2"], "model.options has n_layers, which gpt() does not take; it takes n_layer,"),
+    ],
+)
+def test_a_model_that_cannot_train_on_the_data_is_refused_by_the_launcher(prepared, tmp_path, args, message):
+    """The launcher's own checks (no worker started) refuse, in one line, a built-in model for samples of
+    another kind, and GPT options that cannot build for this data (it builds the model on the meta device)."""
+    from dtrain.config import load_config
+    from dtrain.launch.preflight import preflight
+
+    overrides = [*GPT[1:], f"data.path={prepared}", f"run.dir={tmp_path / 'run'}", *args]
+    config = load_config(ROOT / GPT[0], overrides)
+    with pytest.raises(DtrainError) as refused:
+        preflight(config, world_size=2, local_world_size=2)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists()
 
 

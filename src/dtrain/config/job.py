@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from dtrain.config.sections import (
+    DATA_GIVES,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -27,6 +28,7 @@ from dtrain.config.sections import (
     SchedulerConfig,
     Section,
     TrainingConfig,
+    kind_problem,
 )
 from dtrain.config.settings import coerce, describe, inline, parse_value, tomllib, where
 from dtrain.errors import ConfigError
@@ -117,6 +119,15 @@ def validate(config: Config) -> None:
             "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
             "from a checkpoint: choose one"
         )
+
+
+def check_model_fits_data(config: Config) -> None:
+    """For a job whose model dtrain builds from model.name (`dtrain run`, `dtrain config`): refuse a built-in
+    model for a built-in data set whose samples it does not take. Not part of validate(): a script that
+    hands Trainer its own model leaves model.name unused, whatever the data."""
+    problem = kind_problem(config.model.name, config.data.name, DATA_GIVES.get(config.data.name))
+    if problem:
+        raise ConfigError(problem)
 
 
 # What only DDP uses, and what only the sharded strategies use (hsdp_shard_size: hsdp alone).

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from dtrain.config.settings import A_YEAR, setting
+from dtrain.config.settings import A_YEAR, coerce, setting
 from dtrain.errors import ConfigError
 
 
@@ -131,6 +131,45 @@ class DistributedConfig(Section):
             )
 
 
+# What the built-in models take and the built-in data sets give: token ids (integers) or features
+# (floating-point values, any shape: a model's shape rules are its builder's). And the built-in models'
+# options, with types and bounds checked as keys' are: a size below 1 or a fraction outside [0, 1]
+# builds nothing that trains.
+MODEL_TAKES = {"mlp": "features", "cnn": "features", "gpt": "tokens"}
+DATA_GIVES = {"digits": "features", "mnist": "features", "synthetic": "features", "tokens": "tokens"}
+_SIZE = {"min": 1, "max": 2**20}
+MODEL_OPTIONS: dict[str, dict[str, tuple[type, dict]]] = {
+    "mlp": {"hidden_size": (int, _SIZE)},
+    "cnn": {"channels": (int, _SIZE)},
+    "gpt": {
+        "n_layer": (int, _SIZE),
+        "n_head": (int, _SIZE),
+        "n_embd": (int, _SIZE),
+        "block_size": (int, _SIZE),
+        "vocab_size": (int, {"min": 1, "max": 2**31}),
+        "dropout": (float, {"min": 0, "max": 1}),
+        "bias": (bool, {}),
+    },
+}
+_KINDS = {
+    "tokens": ("token ids", "integers: data.name=tokens"),
+    "features": ("features", "floating-point values: digits, mnist, synthetic"),
+}
+
+
+def kind_problem(model: str, data: str, kind: str | None) -> str | None:
+    """Why built-in `model` cannot train on data `data` whose samples are of `kind` (None: not known), or
+    None: it would build, then fail in its first forward pass, in every worker."""
+    takes = MODEL_TAKES.get(model)
+    if takes is None or kind is None or takes == kind:
+        return None
+    fits = next(name for name, its in MODEL_TAKES.items() if its == kind)
+    return (
+        f"model.name = '{model}' takes {_KINDS[takes][0]} ({_KINDS[takes][1]}); data.name = '{data}' gives "
+        f"{_KINDS[kind][0]}; use model.name={fits}"
+    )
+
+
 @dataclass(slots=True)
 class ModelConfig(Section):
     name: str = setting(
@@ -151,7 +190,10 @@ class ModelConfig(Section):
     )
 
     def check(self) -> None:
-        _check_builtin_or_factory("model.name", self.name, ("mlp", "cnn", "gpt"))
+        _check_builtin_or_factory("model.name", self.name, tuple(MODEL_TAKES))
+        for key, (type_, bounds) in MODEL_OPTIONS.get(self.name, {}).items():
+            if key in self.options:  # the others are the builder's to refuse (the launcher builds it first)
+                self.options[key] = coerce(f"model.options.{key}", self.options[key], type_, bounds, None)
 
 
 @dataclass(slots=True)
@@ -189,7 +231,7 @@ class DataConfig(Section):
 
     def check(self) -> None:
         self.path = os.path.expanduser(self.path)  # as run.dir
-        _check_builtin_or_factory("data.name", self.name, ("digits", "mnist", "synthetic", "tokens"))
+        _check_builtin_or_factory("data.name", self.name, tuple(DATA_GIVES))
         if not self.input_shape or any(d < 1 for d in self.input_shape):
             raise ConfigError(
                 f"data.input_shape = {self.input_shape} must be a list of positive sizes, e.g. [1, 28, 28]"

@@ -9,6 +9,8 @@ from dtrain.data.datasets import (
     fetch,
     global_order_of,
     keeps_global_order,
+    kind_of,
+    sample_of,
     size_hint,
 )
 from dtrain.data.loaders import EvalBatches, TrainBatches
@@ -28,6 +30,8 @@ __all__ = [
     "fetch",
     "global_order_of",
     "keeps_global_order",
+    "kind_of",
+    "sample_of",
     "size_hint",
     "to_device",
 ]

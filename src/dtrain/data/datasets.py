@@ -10,12 +10,14 @@ from torch.utils.data import Dataset, TensorDataset
 
 from dtrain import factory
 from dtrain.config import Config, DataConfig
+from dtrain.config.sections import DATA_GIVES
 from dtrain.data import mnist, tokens
 from dtrain.errors import DataError
 
 # The held-out split of digits and synthetic data is fixed, whatever run.seed says, so that eval
 # figures of different runs are comparable.
 SPLIT_SEED = 1234
+DIGITS_SHAPE = (64,)  # 8×8 pixels, flat as scikit-learn gives them
 
 
 @dataclass
@@ -53,6 +55,22 @@ def size_hint(config: Config) -> int | None:
             return max(0, files["train_labels"].stat().st_size - 8)  # one byte per label
     if data.name == "tokens":
         return tokens.windows_in(tokens.read_meta(data.path), "train", data.block_size, data.path)
+    return None
+
+
+def sample_of(config: Config) -> tuple[tuple[int, ...], int] | None:
+    """A built-in data set's sample shape and classes (the vocabulary, for tokens: meta.json), known
+    without loading it: what the launcher builds the model for, to see that it can be. None for a
+    factory's, which only building tells."""
+    data = config.data
+    if data.name == "digits":
+        return DIGITS_SHAPE, 10
+    if data.name == "mnist":
+        return mnist.SHAPE, 10
+    if data.name == "synthetic":
+        return tuple(data.input_shape), data.num_classes
+    if data.name == "tokens":
+        return (data.block_size,), tokens.read_meta(data.path)["vocab_size"]
     return None
 
 
@@ -95,7 +113,7 @@ def _digits(data: DataConfig) -> DataSplits:
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16
     y = torch.tensor(digits.target, dtype=torch.int64)
     train, ev = _split(x, y, data.eval_fraction)
-    return DataSplits(train, ev, input_shape=(64,), num_classes=10)
+    return DataSplits(train, ev, input_shape=DIGITS_SHAPE, num_classes=10)
 
 
 def _mnist(data: DataConfig) -> DataSplits:
@@ -103,7 +121,7 @@ def _mnist(data: DataConfig) -> DataSplits:
         mnist.download(data.path)
     (train_x, train_y), (test_x, test_y) = mnist.load(data.path)
     return DataSplits(
-        TensorDataset(train_x, train_y), TensorDataset(test_x, test_y), input_shape=(1, 28, 28), num_classes=10
+        TensorDataset(train_x, train_y), TensorDataset(test_x, test_y), input_shape=mnist.SHAPE, num_classes=10
     )
 
 
@@ -184,6 +202,20 @@ def infer_input_shape(dataset: Dataset) -> tuple[int, ...]:
     sample = dataset[0]
     x = sample[0] if isinstance(sample, (tuple, list)) else sample
     return tuple(torch.as_tensor(x).shape)
+
+
+def kind_of(config: Config, dataset: Dataset) -> str | None:
+    """The kind of samples the training set gives, as a built-in model checks what it takes: a built-in
+    set's is declared (DATA_GIVES); a factory's is 'tokens' when its inputs are integers (token ids), else
+    'features', read from its first sample (None when that input is no tensor: a dict)."""
+    if config.data.name in DATA_GIVES:
+        return DATA_GIVES[config.data.name]
+    sample = dataset[0]
+    try:
+        x = torch.as_tensor(sample[0] if isinstance(sample, (tuple, list)) else sample)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return "features" if x.is_floating_point() or x.dtype == torch.bool else "tokens"
 
 
 def infer_num_classes(dataset: Dataset, default: int) -> int:

@@ -23,6 +23,7 @@ FILES = {
     "test_images": "t10k-images-idx3-ubyte",
     "test_labels": "t10k-labels-idx1-ubyte",
 }
+SHAPE = (1, 28, 28)  # one sample as the model sees it: a grey channel of 28×28 pixels
 # The same mirrors and checksums torchvision uses.
 MIRRORS = ["https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"]
 MD5 = {

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from dtrain import checkpoint, data, distributed, parallel, rundir
-from dtrain.config import Config
+from dtrain import checkpoint, data, distributed, models, parallel, rundir
+from dtrain.config import Config, check_model_fits_data
 from dtrain.errors import ConfigError
 from dtrain.launch import gpus as devices
 from dtrain.observe.tracker_servers import check_servers
@@ -21,6 +21,7 @@ from dtrain.train.amp import precision_problem
 def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> str | None:
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download. A line to
     say instead of starting any (a finished run rerun: nothing to train), or None."""
+    check_model_fits_data(config)
     run_dir = Path(config.run.dir)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
@@ -48,6 +49,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
             raise ConfigError(problem)
     data.fetch(config)
     data.check(config, world_size)
+    sample = data.sample_of(config)
+    if sample is not None:  # a built-in data set: whether the model can be built for it is known now
+        models.check(config.model, *sample)
     n_train = data.size_hint(config)
     if n_train is not None:
         data.check_shardable(config, n_train, world_size)

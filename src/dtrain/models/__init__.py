@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from dtrain import factory
-from dtrain.config import ModelConfig
+from dtrain.config import Config, ModelConfig
+from dtrain.config.sections import kind_problem
 from dtrain.errors import ConfigError
 
 
@@ -82,12 +84,30 @@ def gpt(
 BUILT_IN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
 
+def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """Refuse, before any worker starts, a built-in model that its options cannot build for data of this
+    shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
+    C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once."""
+    if config.name in BUILT_IN:
+        with torch.device("meta"):
+            build(config, input_shape, num_classes)
+
+
+def check_kind(config: Config, kind: str | None) -> None:
+    """Refuse a built-in model for data whose samples are not of the kind it takes. For a built-in data set
+    the config's checks know it; a factory's tells only once built (data.kind_of)."""
+    problem = kind_problem(config.model.name, config.data.name, kind)
+    if problem:
+        raise ConfigError(problem)
+
+
 def build(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The model `config` names, sized for the data."""
     offered = {"input_shape": input_shape, "num_classes": num_classes}
-    if config.name == "mlp":
-        return factory.call(mlp, {**offered, "hidden_size": config.hidden_size}, config.options)
     if config.name in BUILT_IN:
+        config.check()  # its options' types and bounds, for a config built in code too
+        if config.name == "mlp":
+            offered["hidden_size"] = config.hidden_size
         return factory.call(BUILT_IN[config.name], offered, config.options)
     fn = factory.resolve("model.name", config.name)
     model = factory.call(fn, offered, config.options)

@@ -34,6 +34,7 @@ def run(config: Config) -> dict[str, Any]:
         distributed.barrier()
         splits = data.build(config)
         torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
+        models.check_kind(config, data.kind_of(config, splits.train))  # also where no launcher checked
         model = models.build(config.model, splits.input_shape, splits.num_classes)
         trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
         if config.data.name == "tokens":
