@@ -134,19 +134,16 @@ def cmd_run(argv: Sequence[str]) -> int:
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
     config, notes = read_config(args.config, overrides)
     _say_notes([*notes, *idle_settings(config)])
-    from dtrain.distributed import detect_env, in_worker_environment
-    from dtrain.launch import launch, wait_for_rank0
+    from dtrain.distributed import in_worker_environment
+    from dtrain.launch import launch
     from dtrain.launch.preflight import preflight
     from dtrain.worker import worker_main
 
     # Inside torchrun: a worker. RANK/WORLD_SIZE (or srun's, mpirun's variables) without launch flags:
-    # a worker started by something else. With launch flags dtrain launches, whatever the environment
-    # says (a Kubernetes PyTorchJob pod sets RANK and WORLD_SIZE for the pod; torchrun sets the workers').
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return worker_main(config)
-    if in_worker_environment() and not _explicit_launch(args):
-        if config.distributed.init_method == "env://":
-            wait_for_rank0(detect_env(), config.distributed.timeout_s)
+    # a worker started by something else (it waits for its peers in distributed.start, saying so). With
+    # launch flags dtrain launches, whatever the environment says (a Kubernetes PyTorchJob pod sets RANK
+    # and WORLD_SIZE for the pod; torchrun sets the workers').
+    if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
         return worker_main(config)
 
     spec = _spec(args)

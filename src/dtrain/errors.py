@@ -30,6 +30,15 @@ class EnvironmentProblem(DtrainError):
     """Something this machine or the distributed environment cannot provide (GPUs, backend, addresses)."""
 
 
+class PeersMissing(EnvironmentProblem):
+    """The job's other ranks did not come within distributed.timeout_s: a pod, srun or mpirun task
+    started while the others never were, or cannot be reached."""
+
+
+class Rank0Missing(PeersMissing):
+    """Rank 0 never answered: no rank 0 is there to say it, so the rank that waited for it does."""
+
+
 # Exit status of a run stopped by SIGTERM after writing its checkpoint: EX_TEMPFAIL from sysexits.h,
 # "temporary failure, try again" — what a scheduler's requeue rule should match.
 EXIT_REQUEUE = 75

@@ -245,6 +245,44 @@ def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_lin
     assert not (tmp_path / "run").exists()
 
 
+def test_a_trainer_in_a_pod_whose_rank_0_never_answers_says_it_waits_then_raises_one_error(tmp_path):
+    """The Python API in a pod (`python script.py` with RANK=1 of 2, no dtrain command): the Trainer's
+    start says it waits for rank 0 and gives up with dtrain's error, whose message is the one line —
+    not half an hour of silence and torch's C++ frames."""
+    port = free_port()
+    code, lines = timed_output(
+        [sys.executable, str(WORKERS / "config_trainer.py"), *JOB, f"run.dir={tmp_path / 'run'}"]
+        + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
+        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **WAIT_ENV},
+    )
+    text = "\n".join(line for _, line in lines)
+    assert code == 1 and "frame #" not in text, text
+    waits = [line for _, line in lines if line.startswith("dtrain: waiting for the rendezvous")]
+    assert len(waits) >= 2 and f"at 127.0.0.1:{port} (rank 0 serves it;" in waits[0], text
+    assert re.fullmatch(
+        rf"dtrain\.errors\.Rank0Missing: nothing answered at 127\.0\.0\.1:{port} for {WAIT_TIMEOUT} s .*", lines[-1][1]
+    ), text
+
+
+def test_rank_0_whose_master_port_is_taken_says_so_in_one_line(tmp_path):
+    """RANK=0 of 2 whose MASTER_PORT something else on the machine listens on cannot serve the store:
+    one line naming the address and what to change, exit 2 — not torch's traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = dtrain(
+            "run",
+            *JOB,
+            f"run.dir={tmp_path / 'run'}",
+            extra_env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        )
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"dtrain: error: rank 0 could not serve the rendezvous at 127.0.0.1:{port} (")
+    assert lines[0].endswith("): give a MASTER_PORT nothing else on this machine uses"), lines[0]
+
+
 def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(tmp_path):
     """RANK=0 of 2 with no rank 1 (a pod whose peer is still importing torch, or never started): rank 0
     waits inside init_process_group, says so after a few seconds and at a slow pace, then gives up in

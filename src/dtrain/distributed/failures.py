@@ -16,8 +16,9 @@ import time
 from dtrain.distributed import LAUNCHED_BY_DTRAIN
 
 
-def record_failure(message: str, rank: int, traceback_text: str | None) -> None:
-    """One failure: `message` (a line for people), or `traceback_text` for a crash."""
+def record_failure(message: str, rank: int, traceback_text: str | None, alone: bool = False) -> None:
+    """One failure: `message` (a line for people), or `traceback_text` for a crash. `alone`: a failure
+    no other rank is there to say (its peers never came), said by this rank whatever its number."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and os.environ.get(LAUNCHED_BY_DTRAIN):
         text = message if traceback_text is None else traceback_text.rstrip()
@@ -26,5 +27,5 @@ def record_failure(message: str, rank: int, traceback_text: str | None) -> None:
         return
     if traceback_text is not None:
         sys.stderr.write(f"[rank {rank}] {traceback_text}")
-    elif rank == 0:
+    elif rank == 0 or alone:
         print(f"dtrain: error: {message}", file=sys.stderr, flush=True)

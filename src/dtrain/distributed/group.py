@@ -17,8 +17,8 @@ import torch.distributed as dist
 from dtrain.config import DistributedConfig
 from dtrain.distributed.env import DistEnv, detect_env
 from dtrain.distributed.lifecycle import die_with_the_launcher
-from dtrain.distributed.waiting import WaitReport
-from dtrain.errors import ConfigError, EnvironmentProblem
+from dtrain.distributed.waiting import WaitReport, wait_for_rank0
+from dtrain.errors import ConfigError, EnvironmentProblem, PeersMissing
 
 # --- backend and device ---------------------------------------------------------------------------
 
@@ -163,6 +163,10 @@ def start(
             ("LOCAL_WORLD_SIZE", env.local_world_size),
         ):
             os.environ.setdefault(name, str(value))
+        if "TORCHELASTIC_RUN_ID" not in environ:  # torchrun's agent formed the group before starting us
+            # A rank other than 0 first waits for rank 0's store, saying so: torch would wait silently and
+            # end in C++ frames and a traceback (a pod started before, or without, its rank 0).
+            wait_for_rank0(env, config.timeout_s)
     where = f"{env.master_addr}:{env.master_port}" if init_method == "env://" else init_method
     try:
         with _joining_report(env, where, config.timeout_s):
@@ -175,9 +179,14 @@ def start(
                 # Binding the device up front lets nccl create its communicator eagerly and correctly.
                 device_id=device if backend == "nccl" else None,
             )
-    except dist.DistStoreError as exc:  # torch's own words ("1/2 clients joined"), in one line
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:  # torch's own words ("1/2 clients joined")
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
-        raise EnvironmentProblem(
+        if env.rank == 0 and isinstance(exc, dist.DistNetworkError):  # its store could not listen
+            raise EnvironmentProblem(
+                f"rank 0 could not serve the rendezvous at {where} ({said}): give a MASTER_PORT nothing "
+                f"else on this machine uses"
+            ) from None
+        raise PeersMissing(
             f"rank {env.rank}: the {env.world_size} ranks did not meet at {where} within "
             f"{config.timeout_s:g} s ({said}): start every rank, or raise distributed.timeout_s"
         ) from None

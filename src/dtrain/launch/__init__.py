@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dtrain import distributed
 from dtrain.distributed import netaddr
+from dtrain.distributed.waiting import EndpointWait, wait_for_endpoint
 from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError
 
 if TYPE_CHECKING:
@@ -123,9 +124,9 @@ def torchrun_args(
 
 
 from dtrain.launch.signals import signals_reach_a_joining_node, sigterm_once  # noqa: E402
-from dtrain.launch.waits import EndpointWait, own_address, peers_report, wait_for_endpoint, wait_for_rank0  # noqa: E402
+from dtrain.launch.waits import own_address, peers_report  # noqa: E402
 
-__all__ = ["LaunchSpec", "launch", "torchrun_args", "wait_for_endpoint", "wait_for_rank0"]
+__all__ = ["LaunchSpec", "launch", "torchrun_args"]
 
 
 def launch(spec: LaunchSpec, entry: list[str]) -> int:

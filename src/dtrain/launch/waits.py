@@ -1,6 +1,7 @@
 """What the launcher waits for before its workers exist, said out loud and given up in one line: the
-rendezvous endpoint (its name resolving, something listening), rank 0's store for a worker a pod, srun
-or mpirun started, and the other nodes while torchrun's rendezvous waits for them in C++."""
+rendezvous endpoint's name resolving (the wait for something listening there is distributed.waiting's,
+shared with a worker waiting for rank 0), and the other nodes while torchrun's rendezvous waits for them
+in C++."""
 
 from __future__ import annotations
 
@@ -10,58 +11,12 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from dtrain import distributed
 from dtrain.distributed import netaddr
-from dtrain.distributed.waiting import WaitReport
+from dtrain.distributed.waiting import EndpointWait, WaitReport
 from dtrain.errors import EnvironmentProblem
 
 if TYPE_CHECKING:
     from dtrain.launch import LaunchSpec
-
-
-class EndpointWait:
-    """Waiting for the rendezvous endpoint until a deadline: said after a moment and then at a slow
-    pace (`WaitReport`), given up in one line. `server` is who serves the endpoint; `knob` what sets
-    the wait, `knobs` what sets the address and the wait."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        timeout: float,
-        server: str = "the first node",
-        knob: str = "--rdzv-timeout",
-        knobs: str = "--rdzv-timeout sets the wait",
-    ):
-        self.endpoint, self.timeout, self.server, self.knob, self.knobs = endpoint, timeout, server, knob, knobs
-        self.deadline = time.monotonic() + timeout
-        self.reason = ""
-        self._report = WaitReport(self._line)
-
-    def _line(self) -> str:
-        left = self.deadline - time.monotonic()
-        if left < 1:  # the give-up line is due
-            return ""
-        return (
-            f"waiting for the rendezvous at {self.endpoint} ({self.server} serves it; {self.reason}), "
-            f"giving up in {left:.0f} s ({self.knob})"
-        )
-
-    def again(self, reason: str) -> None:
-        """Note why the wait goes on and sleep a little; or give up, past the deadline."""
-        self.reason = reason
-        if time.monotonic() >= self.deadline:
-            self.over()
-            start = "the job on the node" if self.server == "the first node" else self.server
-            raise EnvironmentProblem(
-                f"nothing answered at {self.endpoint} for {self.timeout:g} s ({reason}): start "
-                f"{start} at that address, or check the address, the port and the firewall "
-                f"({self.knobs})"
-            )
-        self._report.start()
-        time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))
-
-    def over(self) -> None:
-        self._report.stop()
 
 
 def own_address(spec: LaunchSpec, wait: EndpointWait | None) -> tuple[str | None, bool]:
@@ -92,36 +47,6 @@ def own_address(spec: LaunchSpec, wait: EndpointWait | None) -> tuple[str | None
             ) from None
         local = spec.local_addr
     return local, is_host
-
-
-def wait_for_endpoint(wait: EndpointWait) -> None:
-    """Wait until something listens at the rendezvous endpoint (the first node's store). Left to torch,
-    an endpoint that is not up yet fills the screen with C++ stack traces and ends in an exception a
-    minute or more later."""
-    host, _, port = wait.endpoint.rpartition(":")
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, wait.timeout)):
-                return
-        except OSError as exc:
-            wait.again(exc.strerror or type(exc).__name__)
-
-
-def wait_for_rank0(env: distributed.DistEnv, timeout: float) -> None:
-    """A worker started by something else (a pod's RANK/WORLD_SIZE, srun, mpirun) other than rank 0
-    waits, visibly, until rank 0's store at MASTER_ADDR:MASTER_PORT answers."""
-    if env.world_size > 1 and env.rank != 0:
-        wait = EndpointWait(
-            f"{env.master_addr}:{env.master_port}",
-            timeout,
-            server="rank 0",
-            knob="distributed.timeout_s",
-            knobs="MASTER_ADDR and MASTER_PORT set the address, distributed.timeout_s the wait",
-        )
-        try:
-            wait_for_endpoint(wait)
-        finally:
-            wait.over()
 
 
 def peers_report(spec: LaunchSpec) -> WaitReport | contextlib.nullcontext:

@@ -20,7 +20,7 @@ from dtrain import data, distributed, models
 from dtrain.config import Config
 from dtrain.data import tokens
 from dtrain.distributed.failures import record_failure
-from dtrain.errors import EXIT_USAGE, DtrainError, Preempted
+from dtrain.errors import EXIT_USAGE, DtrainError, Preempted, Rank0Missing
 from dtrain.train.trainer import Trainer
 
 
@@ -103,8 +103,9 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches every worker: the launcher says it once
         return 128 + signal.SIGINT
     except DtrainError as exc:
-        record_failure(str(exc), rank, traceback_text=None)
-        if rank != 0 and not os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
+        alone = isinstance(exc, Rank0Missing)  # no rank 0 is there to say it
+        record_failure(str(exc), rank, traceback_text=None, alone=alone)
+        if rank != 0 and not alone and not os.environ.get(distributed.LAUNCHED_BY_DTRAIN):
             # Only rank 0 prints: under plain torchrun the first rank to exit gets the others stopped,
             # and rank 0, reaching the same error a moment later, would be stopped before saying it.
             time.sleep(2.0)
