@@ -174,11 +174,19 @@ def cmd_launch(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not args.module and not os.path.isfile(args.script):
         raise DtrainError(f"script {args.script} does not exist")
+    script = [*(["-m"] if args.module else []), args.script, *args.script_args]
+    from dtrain.distributed import in_worker_environment
+
+    if in_worker_environment() and not _explicit_launch(args):
+        # As `dtrain run`: RANK/WORLD_SIZE without launch flags (a pod, an srun task) make this process
+        # one worker of the job they describe — not the only worker of a world of its own.
+        from dtrain.worker import script as worker_script
+
+        return worker_script.main(script)
     # Each worker runs the script through dtrain.script: its failures are then reported once.
-    entry = ["-m", "dtrain.worker.script", *(["-m"] if args.module else []), args.script, *args.script_args]
     from dtrain.launch import launch
 
-    return launch(_spec(args), entry)
+    return launch(_spec(args), ["-m", "dtrain.worker.script", *script])
 
 
 def cmd_config(argv: Sequence[str]) -> int:

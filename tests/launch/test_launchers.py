@@ -190,6 +190,28 @@ def test_launch_flags_launch_even_where_rank_variables_are_set(reference, tmp_pa
     same_run(reference, tmp_path)
 
 
+def test_dtrain_launch_in_two_pods_runs_one_job_of_two_ranks(reference, tmp_path):
+    """Two pods (RANK 0 and 1 of WORLD_SIZE 2, no launch flags) whose command is `dtrain launch
+    script.py`: each runs the script as its pod's worker, and together they take the reference's steps —
+    not two jobs of one process each, both writing run.dir."""
+    pod = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dtrain", *POD_COMMANDS["launch"], *JOB, f"run.dir={tmp_path}"],
+            cwd=ROOT,
+            env=env(OMP_NUM_THREADS="1", RANK=str(rank), **pod),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    errs = [p.communicate(timeout=TIMEOUT)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert all(len(m["rank_busy_ms"]) == 2 for m in train_lines(tmp_path))
+    same_run(reference, tmp_path)
+
+
 @pytest.mark.parametrize(
     "variables, message",
     [
@@ -222,14 +244,21 @@ def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, messa
     assert not (tmp_path / "run").exists()
 
 
+# A pod's command: `dtrain run CONFIG`, or `dtrain launch` of a user's script that trains the same
+# config with the Trainer (its distributed.start waits as `dtrain run`'s worker does).
+POD_COMMANDS = {"run": ["run"], "launch": ["launch", str(WORKERS / "config_trainer.py")]}
+
+
+@pytest.mark.parametrize("command", ["run", "launch"])
 @pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
-def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(tmp_path, address):
+def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(tmp_path, address, command):
     """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store: it says so 2 s into the
     wait, again at a slow pace, and after distributed.timeout_s gives up in one line — the whole
-    output, no C++ warnings, nothing written."""
+    output, no C++ warnings, nothing written. So does a pod whose command is `dtrain launch script.py`:
+    the script runs as this pod's worker, not as the only worker of a world of its own."""
     port = free_port()
     code, lines = timed_output(
-        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'run'}"]
+        [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB, f"run.dir={tmp_path / 'run'}"]
         + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
         extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port), **WAIT_ENV},
     )
@@ -283,13 +312,14 @@ def test_rank_0_whose_master_port_is_taken_says_so_in_one_line(tmp_path):
     assert lines[0].endswith("): give a MASTER_PORT nothing else on this machine uses"), lines[0]
 
 
-def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(tmp_path, command):
     """RANK=0 of 2 with no rank 1 (a pod whose peer is still importing torch, or never started): rank 0
     waits inside init_process_group, says so after a few seconds and at a slow pace, then gives up in
-    one line with torch's count — no traceback."""
+    one line with torch's count — no traceback. The same in a pod running `dtrain launch script.py`."""
     port = free_port()
     code, lines = timed_output(
-        [sys.executable, "-m", "dtrain", "run", *JOB, f"run.dir={tmp_path / 'run'}"]
+        [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB, f"run.dir={tmp_path / 'run'}"]
         + [f"distributed.timeout_s={WAIT_TIMEOUT + 3}", "distributed.hang_timeout_s=0"],
         extra_env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **WAIT_ENV},
     )

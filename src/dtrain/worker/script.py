@@ -31,9 +31,11 @@ def run_script(argv: Sequence[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the script `argv` (default: this command's arguments) as a worker."""
     console.outlive_the_reader()  # as `dtrain run`'s workers: a script's print never ends a stopping run
-    return as_worker(lambda: run_script(sys.argv[1:]))
+    script = list(sys.argv[1:] if argv is None else argv)
+    return as_worker(lambda: run_script(script))
 
 
 if __name__ == "__main__":
