@@ -159,6 +159,30 @@ def test_a_run_killed_before_its_first_checkpoint_reruns_with_the_same_command(t
     assert len(event_files(tmp_path)) == 1 and (tmp_path / "model.safetensors").is_file()
 
 
+def test_the_rerun_after_a_hang_keeps_the_hangs_stacks(tmp_path):
+    """A hang before the first checkpoint (rank 1 stalls at its third step; the watchdog ends the job,
+    124, with every rank's stacks in diagnostics/): the rerun replaces the metrics and events of that run,
+    which nothing can continue, but keeps its diagnostics — what the rerun is for finding out."""
+    job = [*JOB, "model.name=faults:dying_mlp", "training.epochs=2", "--nproc", "2", f"run.dir={tmp_path}"]
+    hung = dtrain(
+        "run",
+        *job,
+        "model.options={hidden_size = 16, stall_at_forward = 3, stall_rank = 1}",
+        "distributed.hang_timeout_s=3",
+    )
+    assert hung.returncode == 124, hung.stderr
+    stacks = (tmp_path / "diagnostics" / "rank-1.txt").read_text()
+    assert "in stall_here_forever" in stacks
+    rerun = ok(dtrain("run", *job, "model.options={hidden_size = 16}"))
+    replaced = [line for line in rerun.stderr.splitlines() if line.startswith("replaced the outputs")]
+    assert replaced == [
+        "replaced the outputs of an earlier run that ended before its first checkpoint (no checkpoint, no final "
+        "weights): metrics.jsonl, tensorboard"
+    ], rerun.stderr
+    assert (tmp_path / "diagnostics" / "rank-1.txt").read_text() == stacks
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))  # the rerun's alone
+
+
 @pytest.mark.parametrize("left", ["unsealed", "sealed-aside"])
 def test_only_a_run_that_left_no_sealed_checkpoint_anywhere_is_replaced(tmp_path, left):
     """A run killed while writing its first checkpoint leaves it unsealed (no COMPLETE.json): nothing

@@ -93,6 +93,9 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "is not a folder",
 }
 KEPT = ("config.toml", "tokenizer", LOCK)  # rewritten by every run, never "an earlier run's output"
+# An earlier run's hang stacks and flight records: what its rerun (after a hang, 124, or a restart after
+# one) is for finding out; kept unless the user says to replace the earlier run (run.overwrite).
+EVIDENCE = ("diagnostics",)
 
 
 def _temporary(name: str) -> bool:
@@ -136,11 +139,13 @@ def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bo
     `check_contents` first), or a refusal. `resuming`: the run continues from a checkpoint there, and
     its outputs are its own. `again`: a later attempt of the same run. An earlier run that did no
     lasting work (see `did_lasting_work`) is replaced too: killed or crashed before its first checkpoint,
-    it reruns with the same command. The caller holds run.dir's lock, or found it free: the earlier run
-    is over. Nothing is deleted here: see `remove`, which rank 0 calls once the run has started."""
+    it reruns with the same command. Its diagnostics (a hang's stacks) stay, unless `overwrite`. The
+    caller holds run.dir's lock, or found it free: the earlier run is over. Nothing is deleted here: see
+    `remove`, which rank 0 calls once the run has started."""
     if resuming or not run_dir.is_dir():
         return []
-    earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in KEPT and _holds_something(p)]
+    kept = KEPT if overwrite else KEPT + EVIDENCE
+    earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in kept and _holds_something(p)]
     if earlier and not (overwrite or again) and did_lasting_work(run_dir):
         raise DtrainError(
             f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
