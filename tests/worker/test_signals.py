@@ -12,25 +12,25 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint import CheckpointStore
-from helpers import ROOT, SMALL_JOB, TIMEOUT, dtrain, env, ok, weights
+from helpers import ROOT, SMALL_JOB, TIMEOUT, WORKERS, dtrain, env, ok, weights
 
 SLOW_JOB = [*SMALL_JOB, "training.epochs=50", "training.log_every=1", "model.name=faults:dying_mlp"]
 
 
+def slow_job(run_dir: Path, *extra: str, step_sleep_s: float = 0.05) -> list[str]:
+    """The slow job's arguments, as `dtrain run` and the config_trainer.py script take them."""
+    return [
+        *SLOW_JOB,
+        f"model.options={{hidden_size = 16, step_sleep_s = {step_sleep_s}}}",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
+
+
 def start(run_dir: Path, *extra: str, nproc: int = 2, step_sleep_s: float = 0.05, **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dtrain",
-            "run",
-            *SLOW_JOB,
-            f"model.options={{hidden_size = 16, step_sleep_s = {step_sleep_s}}}",
-            "--nproc",
-            str(nproc),
-            f"run.dir={run_dir}",
-            *extra,
-        ],
+        [sys.executable, "-m", "dtrain", "run", *slow_job(run_dir, *extra, step_sleep_s=step_sleep_s)]
+        + ["--nproc", str(nproc)],
         cwd=ROOT,
         env=popen.pop("env", None) or env(),
         stdout=subprocess.PIPE,
@@ -188,6 +188,12 @@ def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_req
 # --- while the nodes join ------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def listening(port: int) -> bool:
     """Whether something on this machine listens on TCP `port` (read from /proc: nothing connects)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -204,9 +210,7 @@ def test_ctrl_c_or_sigterm_while_the_first_node_waits_for_the_others_ends_it_at_
     """The first node of a static rendezvous (--node-rank 0) waits for the others inside one C++ call:
     Ctrl-C there did nothing until the rendezvous timed out (minutes). Now the node ends within seconds,
     quietly on Ctrl-C (130), with dtrain's line on SIGTERM (75) — never a C++ frame or a traceback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dtrain", "run", *SMALL_JOB, f"run.dir={tmp_path}"]
         + ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"],
@@ -227,3 +231,74 @@ def test_ctrl_c_or_sigterm_while_the_first_node_waits_for_the_others_ends_it_at_
     assert proc.returncode == code, err
     assert "frame #" not in err and "Traceback" not in err, err
     assert err.count(BEFORE) == (signum == signal.SIGTERM), err
+
+
+# --- to one worker ---------------------------------------------------------------------------------
+
+
+def start_as(how: str, run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    """The slow job started `how`: by `dtrain run --nproc 2`, by `dtrain launch --nproc 2` running a
+    user's script that trains it, or as two pods (RANK, WORLD_SIZE and MASTER_* set, no launcher): the
+    job's processes as its scheduler sees them (one launcher, or one process per pod)."""
+    job = slow_job(run_dir, *extra)
+    if how == "pods":
+        pod = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        commands = [(["run", *job], env(RANK=str(rank), **pod)) for rank in range(2)]
+    elif how == "launch":
+        commands = [(["launch", "--nproc", "2", str(WORKERS / "config_trainer.py"), *job], env())]
+    else:
+        commands = [(["run", *job, "--nproc", "2"], env())]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "dtrain", *args],
+            cwd=ROOT,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, e in commands
+    ]
+
+
+def worker_of_rank(procs: list[subprocess.Popen], rank: int) -> int:
+    """The pid of the job's worker of `rank`: a pod itself, or the launcher's child with RANK=rank."""
+    if len(procs) == 2:
+        return procs[rank].pid
+    launcher = str(procs[0].pid)
+    for entry in os.scandir("/proc"):
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:  # "PID (COMM) STATE PPID ..."
+                if stat.read().rpartition(")")[2].split()[1] != launcher:
+                    continue
+            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                if f"RANK={rank}".encode() in environ.read().split(b"\0"):
+                    return int(entry.name)
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+    raise AssertionError(f"no worker of rank {rank} under the launcher {launcher}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("how", ["run", "launch", "pods"])
+def test_sigterm_to_one_worker_ends_the_job_with_75_and_a_checkpoint(tmp_path, how, rank):
+    """A scheduler or a pod's container runtime signals one worker, not the launcher: rank 0 or rank 1,
+    under `dtrain run --nproc 2`, `dtrain launch --nproc 2 script.py`, or one of two pods. The ranks agree
+    on the stop, every process of the job exits 75 with one sealed checkpoint, and the same commands
+    resume from it (tried once per way of starting: which rank got the signal does not change what the
+    checkpoint is)."""
+    procs = start_as(how, tmp_path, "training.epochs=4")
+    wait_for(lambda: logged_steps(tmp_path) >= 3 or any(p.poll() is not None for p in procs), "training to start")
+    os.kill(worker_of_rank(procs, rank), signal.SIGTERM)
+    errs = [p.communicate(timeout=TIMEOUT)[1] for p in procs]
+    assert [p.returncode for p in procs] == [75] * len(procs), errs
+    complete = CheckpointStore(tmp_path).complete()
+    assert len(complete) == 1, errs
+    assert errs[0].count(f"stopped by SIGTERM at step {complete[0].step}") == 1, errs[0]
+    assert (tmp_path / "checkpoints" / f"step-{complete[0].step}" / "COMPLETE.json").is_file()
+    if rank == 0:
+        return
+    procs = start_as(how, tmp_path, "training.epochs=4")
+    errs = [p.communicate(timeout=TIMEOUT)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), errs
+    assert f"resumed from {complete[0].path}" in errs[0], errs[0]
