@@ -7,6 +7,7 @@ nccl's flight recorder, the launcher holding no CUDA context) is run by benchmar
 import functools
 import os
 import random
+import socket
 
 import numpy as np
 import pytest
@@ -61,15 +62,18 @@ def test_a_worker_given_one_gpu_binds_it_whatever_its_local_rank(gpus, own_envir
     bound = gpus(1)
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
-    environ = {
-        "RANK": "3",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "3",
-        "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29500",
-    }
-    session = distributed.start(DistributedConfig(), environ)
+    with socket.socket() as rank0_store:  # what start waits for first: something listening for rank 0
+        rank0_store.bind(("127.0.0.1", 0))
+        rank0_store.listen()
+        environ = {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "3",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(rank0_store.getsockname()[1]),
+        }
+        session = distributed.start(DistributedConfig(), environ)
     assert (session.backend, session.device) == ("nccl", torch.device("cuda", 0))
     assert bound == [torch.device("cuda", 0)]
     assert calls[0]["backend"] == "nccl" and calls[0]["device_id"] == torch.device("cuda", 0)
