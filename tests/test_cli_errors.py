@@ -1,11 +1,13 @@
 """Bad input gets one clear line, printed once, a non-zero exit, and nothing written."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, dtrain, ok, run
+from helpers import ROOT, TIMEOUT, dtrain, env, ok, run
 
 CFG = "examples/digits_mlp.toml"
 
@@ -332,3 +334,21 @@ def test_a_quoted_run_dir_is_the_folder_between_the_quotes(tmp_path):
     assert config.returncode == 0 and 'dir = "runs/a b"' in config.stdout, config.stderr
     ok(dtrain("run", str(ROOT / CFG), 'run.dir="runs/a"', "training.max_steps=2", "monitor.trackers=[]", cwd=tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["runs"] and (tmp_path / "runs" / "a" / "model.safetensors").exists()
+
+
+def test_printing_commands_end_quietly_when_their_reader_is_gone(tmp_path):
+    """`dtrain config --reference | head`: head leaves after the lines it wanted. The reader here is gone
+    before the command writes (the read end closed first), so every write meets a broken pipe: no
+    BrokenPipeError traceback, no "Exception ignored" from the interpreter's last flush, exit 0."""
+    window = {"step": 5, "epoch": 1, "loss": 1.0, "samples_per_s": 100.0, "step_ms": 10.0, "rank_busy_ms": [8.0]}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(window) + "\n" + json.dumps({**window, "step": 10}) + "\n")
+    for args in (["config", "--reference"], ["config", CFG, "training.epochs=3"], ["report", str(tmp_path)]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with subprocess.Popen(
+            [sys.executable, "-m", "dtrain", *args], cwd=ROOT, env=env(), stdout=write_end, stderr=subprocess.PIPE
+        ) as proc:
+            os.close(write_end)
+            stderr = proc.stderr.read().decode() if proc.stderr else ""
+            assert proc.wait(timeout=TIMEOUT) == 0 and stderr == "", (args, stderr)
+    assert (tmp_path / "report" / "summary.txt").is_file()  # report did its work; only its printing went nowhere
