@@ -319,7 +319,9 @@ def cmd_generate(argv: Sequence[str]) -> int:
     parser.add_argument("run_dir", help="the run.dir of a finished run (config.toml, model.safetensors)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0: the likeliest token each time (greedy); default 0.8"
+    )
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from dtrain.data.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
+from dtrain.models.gpt import GPT as GPTModel
 from dtrain.rundir.lock import RunDirLock
 from helpers import ROOT, WORKERS, assert_weights_close, dtrain, ok, run, torchrun, train_lines, weights
 
@@ -382,6 +383,28 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
         f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
         f"be the run.dir of a finished run"
     )
+
+
+def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(gpt_run):
+    """Greedy decoding: each new token the argmax of the model's next-token scores, so the sample does not
+    depend on --seed (at the default temperature it does)."""
+    torch.manual_seed(0)
+    model = GPTModel(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        greedy = [model.generate(prompt, 12, 0, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+        expected = prompt
+        for _ in range(12):  # argmax by hand, over the last block_size tokens as generate reads them
+            expected = torch.cat([expected, model(expected[:, -8:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy[0], expected) and torch.equal(greedy[1], expected)
+    samples = {
+        (t, s): ok(
+            dtrain("generate", str(gpt_run), "--prompt", "def", "--tokens", "20", "--temperature", t, "--seed", s)
+        ).stdout
+        for t in ("0", "1")
+        for s in ("0", "1")
+    }
+    assert samples["0", "0"] == samples["0", "1"] and samples["1", "0"] != samples["1", "1"]
 
 
 def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(prepared, tmp_path):

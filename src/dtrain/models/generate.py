@@ -60,9 +60,9 @@ def generate(
             f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
             f"trained on token data (data.name=tokens)"
         )
-    if not 0 < temperature < float("inf") or not 1 <= max_new_tokens <= MAX_TOKENS or top_k < 0:
+    if not 0 <= temperature < float("inf") or not 1 <= max_new_tokens <= MAX_TOKENS or top_k < 0:
         raise DtrainError(
-            f"--temperature must be a number above 0, --tokens from 1 to {MAX_TOKENS:,} and --top-k at least 0"
+            f"--temperature must be a number from 0 (greedy), --tokens from 1 to {MAX_TOKENS:,} and --top-k at least 0"
         )
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
     meta = kept if kept is not None else tokens.read_meta(config.data.path)

@@ -125,9 +125,14 @@ class GPT(nn.Module):
         top_k: int | None = 50,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Continue `idx` (batch, positions) by sampling `max_new_tokens` tokens."""
+        """Continue `idx` (batch, positions) by sampling `max_new_tokens` tokens; at temperature 0 the
+        likeliest token each time (greedy: the same continuation whatever the generator)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size :])[:, -1, :] / max(temperature, 1e-6)
+            logits = self(idx[:, -self.block_size :])[:, -1, :]
+            if temperature == 0:
+                idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+                continue
+            logits = logits / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
