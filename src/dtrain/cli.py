@@ -316,7 +316,9 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 
 def cmd_generate(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain generate", description="Print a sample from a language model a run trained.")
-    parser.add_argument("run_dir", help="the run.dir of a finished run (config.toml, model.safetensors)")
+    parser.add_argument(
+        "run_dir", help="a run's run.dir: its model.safetensors, or its newest checkpoint where that is newer"
+    )
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
     parser.add_argument(

@@ -367,10 +367,12 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
             )
             if folder == moved:
                 (moved / "model.safetensors").unlink()
+                shutil.rmtree(moved / "checkpoints")
                 waiting = dtrain("generate", str(moved))
                 assert waiting.returncode == 2 and waiting.stderr.strip() == (
-                    f"dtrain: error: {moved} is still training and has no model.safetensors yet; generate once "
-                    f"it has finished"
+                    f"dtrain: error: {moved} is still training and has written neither a checkpoint nor "
+                    f"model.safetensors yet; generate once it has (checkpoint.every_steps sets how often it "
+                    f"checkpoints)"
                 )
         finally:
             lock.release()
@@ -380,8 +382,7 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
     result = dtrain("generate", str(gpt_run / "nope"))
     assert result.returncode == 2 and "model.safetensors does not exist" not in result.stderr
     assert result.stderr.strip() == (
-        f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must "
-        f"be the run.dir of a finished run"
+        f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must be the run.dir of a dtrain run"
     )
 
 
@@ -405,6 +406,36 @@ def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(gpt_run):
         for s in ("0", "1")
     }
     assert samples["0", "0"] == samples["0", "1"] and samples["1", "0"] != samples["1", "1"]
+
+
+def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(prepared, gpt_run, tmp_path):
+    """A run trained on from step 12 to 16 (its checkpoint step-16 sealed after the step-12 weights it
+    started from): generate samples step 16's weights, says so, and gives the text those weights give
+    once they are the run's model.safetensors."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(gpt_run, run_dir)
+    more = [*GPT, f"data.path={prepared}", f"run.dir={run_dir}", "training.max_steps=16", "optimizer.lr=0.1"]
+    ok(dtrain("run", *more, "--nproc", "2"))
+    sample = ["--prompt", "def", "--tokens", "40", "--temperature", "1", "--top-k", "0"]  # seeded: one text per state
+    at_12, at_16 = (ok(dtrain("generate", str(d), *sample)).stdout for d in (gpt_run, run_dir))
+    assert at_12 != at_16  # four steps at a high rate changed the sample: the test tells the states apart
+    shutil.copy2(gpt_run / "model.safetensors", run_dir / "model.safetensors")  # step 12's, older than step-16
+    lock = RunDirLock(run_dir)
+    for training in (False, True):
+        if training:  # the run still going (it holds run.dir's lock), and no final weights yet
+            lock.acquire()
+            (run_dir / "model.safetensors").unlink()
+        try:
+            result = ok(dtrain("generate", str(run_dir), *sample))
+        finally:
+            if training:
+                lock.release()
+        why = "is still training" if training else "has a checkpoint newer than its model.safetensors"
+        assert result.stdout == at_16 and result.stderr.strip() == (
+            f"note: {run_dir} {why}; this sample is from its newest checkpoint, step-16 (step 16)"
+        )
+    stopped = ok(dtrain("generate", str(run_dir), *sample))  # lock released: a run that stopped before its end
+    assert stopped.stdout == at_16 and "has no model.safetensors; this sample is from" in stopped.stderr
 
 
 def test_a_hugging_face_causal_lm_trains_on_dict_batches_and_resumes_exactly(prepared, tmp_path):

@@ -33,7 +33,7 @@ from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, Position, identity_mi
 from dtrain.checkpoint.store import CheckpointError, describe_failure
 from dtrain.files import fsync_file
 
-__all__ = ["SafeReader", "Staged", "_load_rng", "_save_rng", "load", "stage", "write"]
+__all__ = ["SafeReader", "Staged", "_load_rng", "_save_rng", "load", "read_model_weights", "stage", "write"]
 
 TENSORS = "state"
 TRAINER = "trainer.json"
@@ -142,6 +142,18 @@ def load(folder: Path, parts: Parts) -> Position:
         setup=trainer.get("setup", {}),
         notes=_notes(folder.name, held, named),
     )
+
+
+def read_model_weights(folder: Path, state: dict[str, Any]) -> None:
+    """Read checkpoint `folder`'s model tensors into `state` (a model's state dict on the CPU, filled in
+    place) in this one process, with no process group, whatever world size and strategy wrote it: what
+    `dtrain generate` samples a run from before it has written its final weights."""
+    trainer = _read_trainer(folder)
+    reader = SafeReader(folder / TENSORS)
+    flat = formats.of_trainer(trainer, reader.read_metadata().state_dict_metadata) == formats.FLAT_NAMES
+    target = {f"model/{key}": value for key, value in state.items()} if flat else {"model": state}
+    with _one_process_is_intended():
+        dcp.load(target, storage_reader=reader, no_dist=True)
 
 
 def _read_trainer(folder: Path) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from dtrain import models
+from dtrain.checkpoint.manifest import MARKER
+from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
@@ -27,6 +29,17 @@ def _still_training(run_dir: Path) -> bool:
     return False
 
 
+def _newer_checkpoint(run_dir: Path, weights: Path) -> Checkpoint | None:
+    """The run's newest complete checkpoint where it was sealed after the final weights were written (a
+    run still training, or stopped before its end), else None: the weights are the newest state."""
+    newest = CheckpointStore(run_dir).newest()
+    if newest is None:
+        return None
+    if weights.is_file() and weights.stat().st_mtime_ns >= (newest.path / MARKER).stat().st_mtime_ns:
+        return None
+    return newest
+
+
 def generate(
     run_dir: str | Path,
     prompt: str,
@@ -37,23 +50,24 @@ def generate(
 ) -> str:
     """The prompt and its continuation, as text."""
     from dtrain.checkpoint.export import load_weights
+    from dtrain.checkpoint.tensors import read_model_weights
     from dtrain.data.prepare import load_tokenizer
 
     run_dir = Path(run_dir)
     config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
     training = _still_training(run_dir)
-    for path in (config_file, weights):
-        if not path.is_file():
-            if training:
-                raise DtrainError(
-                    f"{run_dir} is still training and has no {path.name} yet; generate once it has finished"
-                )
-            raise DtrainError(f"{path} does not exist: RUN_DIR must be the run.dir of a finished run")
-    if training:  # a resumed run: the weights are its last finish's, not what it is training now
-        print(
-            f"note: {run_dir} is still training; this sample is from the {weights.name} of its last finish",
-            file=sys.stderr,
-        )
+    if not config_file.is_file():
+        if training:
+            raise DtrainError(f"{run_dir} is still training and has no config.toml yet; generate once it has")
+        raise DtrainError(f"{config_file} does not exist: RUN_DIR must be the run.dir of a dtrain run")
+    checkpoint = _newer_checkpoint(run_dir, weights)
+    if checkpoint is None and not weights.is_file():
+        if training:
+            raise DtrainError(
+                f"{run_dir} is still training and has written neither a checkpoint nor {weights.name} yet; "
+                f"generate once it has (checkpoint.every_steps sets how often it checkpoints)"
+            )
+        raise DtrainError(f"{weights} does not exist and {run_dir} holds no checkpoint: nothing trained to sample")
     config, _ = read_config(config_file)  # a renamed key in a config.toml dtrain wrote is not the user's to fix
     if config.data.name != "tokens":
         raise DtrainError(
@@ -64,17 +78,33 @@ def generate(
         raise DtrainError(
             f"--temperature must be a number from 0 (greedy), --tokens from 1 to {MAX_TOKENS:,} and --top-k at least 0"
         )
+    if checkpoint is not None:  # said once the run is known to be one generate can sample
+        why = "is still training" if training else "has no model.safetensors" if not weights.is_file() else None
+        print(
+            f"note: {run_dir} {why or 'has a checkpoint newer than its model.safetensors'}; this sample is "
+            f"from its newest checkpoint, {checkpoint.name} (step {checkpoint.step})",
+            file=sys.stderr,
+        )
+    elif training:  # a resumed run with no checkpoint of its own yet: the weights are its last finish's
+        print(
+            f"note: {run_dir} is still training; this sample is from the {weights.name} of its last finish",
+            file=sys.stderr,
+        )
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
     meta = kept if kept is not None else tokens.read_meta(config.data.path)
     tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
     model: Any = models.build(config.model, (config.data.block_size,), meta["vocab_size"])  # has generate()
     if not callable(getattr(model, "generate", None)):
         raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
+    source = weights if checkpoint is None else checkpoint.path
     try:
-        model.load_state_dict(load_weights(weights))
+        if checkpoint is None:
+            model.load_state_dict(load_weights(weights))
+        else:
+            read_model_weights(checkpoint.path, model.state_dict())  # in place: the model's own tensors
     except Exception as exc:
         raise DtrainError(
-            f"{weights} does not fit model '{config.model.name}' as config.toml builds it ({exc})"
+            f"{source} does not fit model '{config.model.name}' as config.toml builds it ({exc})"
         ) from None
     model.eval()
     ids = tokenizer.encode(prompt)
