@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dtrain import __version__, console, early_stop
 from dtrain.config import check_model_fits_data, idle_settings, read_config
 from dtrain.errors import EXIT_USAGE, DtrainError
+from dtrain.rundir import refuse_given_in_code
 
 # torch is imported only after the command line and config have been checked, so that a typo is
 # answered at once rather than after seconds of imports.
@@ -132,6 +133,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
+    refuse_given_in_code(args.config)
     config, notes = read_config(args.config, overrides)
     _say_notes([*notes, *idle_settings(config)])
     from dtrain.distributed import in_worker_environment

@@ -70,3 +70,15 @@ def test_a_finished_run_without_its_weights_resumes_to_write_them_and_says_so(fi
         f"resumed from {run_dir}/checkpoints/step-16 (step 16 of 16, epoch 2 of 2): the run is already complete; {DONE}"
     )
     assert weights(run_dir).keys() == kept.keys()
+
+
+def test_a_runs_config_toml_says_a_rerun_command_that_works(tmp_path):
+    """The first line of config.toml says how to rerun the run; followed as written it trains the same job
+    (run.dir's own config.toml is never the config being read, so the rerun goes to a new folder)."""
+    ok(dtrain("run", *SMALL_JOB, "training.epochs=1", f"run.dir={tmp_path / 'first'}"))
+    header = (tmp_path / "first" / "config.toml").read_text().splitlines()[0]
+    command = re.fullmatch(r"# The resolved config of this run, written by dtrain\. Rerun it with: dtrain (.*)", header)
+    assert command, header
+    args = command[1].replace("<this file>", str(tmp_path / "first" / "config.toml"))
+    ok(dtrain(*args.replace("<a new folder>", str(tmp_path / "again")).split()))
+    assert [m["loss"] for m in train_lines(tmp_path / "again")] == [m["loss"] for m in train_lines(tmp_path / "first")]

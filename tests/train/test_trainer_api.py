@@ -7,6 +7,7 @@ import tomllib
 import torch
 
 import dtrain
+from helpers import dtrain as dtrain_cli
 
 
 def data(n=96, seed=0):
@@ -128,3 +129,30 @@ def test_a_tied_embedding_models_weights_load_strictly_through_load_weights(tmp_
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, trained(ids).logits)
     assert not torch.equal(tiny_gpt2()(ids).logits, trained(ids).logits)  # it did train
+
+
+def test_an_api_runs_config_toml_says_its_model_was_given_in_code(tmp_path):
+    """config.toml of a run given its model and data in code holds defaults in [model] and [data]: its
+    first line says so, `dtrain generate` does not build the default model from it, and `dtrain run`
+    on it does not train that model in the run's name."""
+    run_dir = tmp_path / "run"
+    dtrain.Trainer(config(run_dir), model=model(), train_data=data()).fit()
+    config_file = run_dir / "config.toml"
+    assert config_file.read_text().splitlines()[0] == (
+        "# The resolved config of this run, written by dtrain. Its model and data were given in code to "
+        "dtrain.Trainer, not built from [model] and [data]: rerun it with the script that trained it"
+    )
+    sampled = dtrain_cli("generate", str(run_dir))
+    assert sampled.returncode == 2 and sampled.stderr.splitlines() == [
+        f"dtrain: error: {run_dir} was trained by a script that gave dtrain.Trainer its model in code, which "
+        f"config.toml cannot build; sample in that script: load the weights with "
+        f"model.load_state_dict(dtrain.load_weights('{run_dir / 'model.safetensors'}')) and call the model's "
+        f"own generate"
+    ]
+    rerun = dtrain_cli("run", str(config_file), f"run.dir={tmp_path / 'rerun'}")
+    assert rerun.returncode == 2 and rerun.stderr.splitlines() == [
+        f"dtrain: error: {config_file} is the config of a run whose model and data were given in code to "
+        f"dtrain.Trainer; dtrain run would train [model] and [data] as written instead: rerun the script that "
+        f"trained it (dtrain launch SCRIPT), or delete the file's first line to train what it says"
+    ]
+    assert not (tmp_path / "rerun").exists()

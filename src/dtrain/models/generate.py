@@ -15,6 +15,7 @@ from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
+from dtrain.rundir import given_in_code
 from dtrain.rundir.lock import RunDirLock
 
 MAX_TOKENS = 100_000  # a sample to read, not a corpus
@@ -60,6 +61,12 @@ def generate(
         if training:
             raise DtrainError(f"{run_dir} is still training and has no config.toml yet; generate once it has")
         raise DtrainError(f"{config_file} does not exist: RUN_DIR must be the run.dir of a dtrain run")
+    if given_in_code(config_file):
+        raise DtrainError(
+            f"{run_dir} was trained by a script that gave dtrain.Trainer its model in code, which config.toml "
+            f"cannot build; sample in that script: load the weights with "
+            f"model.load_state_dict(dtrain.load_weights('{weights}')) and call the model's own generate"
+        )
     checkpoint = _newer_checkpoint(run_dir, weights)
     if checkpoint is None and not weights.is_file():
         if training:

@@ -26,8 +26,41 @@ LOCK = ".lock"
 # The metadata dtrain writes into model.safetensors: how it knows the weights in a run.dir are its own.
 WEIGHTS_MARK = {"format": "pt", "written_by": "dtrain"}
 
-# The first line of every config.toml dtrain writes: how it knows a run.dir's config.toml is its own.
-CONFIG_HEADER = "# The resolved config of this run, written by dtrain. Rerun with: dtrain run <this file>\n"
+# The first line of every config.toml dtrain writes begins so: how it knows a run.dir's config.toml is its own.
+WRITTEN_BY_DTRAIN = "# The resolved config of this run, written by dtrain."
+# The rest of the line says how to rerun the run: `dtrain run` for a run its config describes (into a new
+# folder: run.dir's own config.toml is never the config being read), its script for one whose model and
+# data were given in code (`dtrain.Trainer(config, model=..., train_data=...)`): there [model] and [data]
+# are defaults or settings nobody read, and `dtrain run` would train something else.
+CONFIG_HEADER = f"{WRITTEN_BY_DTRAIN} Rerun it with: dtrain run <this file> run.dir=<a new folder>\n"
+GIVEN_IN_CODE_HEADER = (
+    f"{WRITTEN_BY_DTRAIN} Its model and data were given in code to dtrain.Trainer, not built from "
+    f"[model] and [data]: rerun it with the script that trained it\n"
+)
+
+
+def config_header(given_in_code: bool) -> str:
+    return GIVEN_IN_CODE_HEADER if given_in_code else CONFIG_HEADER
+
+
+def given_in_code(config_file: str | Path) -> bool:
+    """Whether `config_file` is the config.toml of a run whose model and data were given in code."""
+    try:
+        with open(config_file, encoding="utf-8") as fh:
+            return fh.readline() == GIVEN_IN_CODE_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def refuse_given_in_code(config_file: str | Path) -> None:
+    """`dtrain run` on the config.toml of a run whose model and data were given in code would train what
+    [model] and [data] say, not that run's model: refused in one line."""
+    if given_in_code(config_file):
+        raise DtrainError(
+            f"{config_file} is the config of a run whose model and data were given in code to dtrain.Trainer; "
+            f"dtrain run would train [model] and [data] as written instead: rerun the script that trained it "
+            f"(dtrain launch SCRIPT), or delete the file's first line to train what it says"
+        )
 
 
 def _entries(path: Path, pattern: str) -> str | None:
@@ -219,7 +252,7 @@ def _written_by_dtrain(path: Path) -> bool:
         text = path.read_text()
     except (OSError, UnicodeDecodeError):
         return False
-    if text.startswith(CONFIG_HEADER):
+    if text.startswith(WRITTEN_BY_DTRAIN):
         return True
     try:  # written before the header existed: every section, as the resolved config has them
         return set(tomllib.loads(text)) == set(SECTIONS)

@@ -42,6 +42,9 @@ class ResumePlan:
         self.resumed_from: Checkpoint | None = None
         self.replanned: str | None = None  # what of the config changed since the checkpoint
         self.rescheduled = False
+        # Whether `config` built the model and data (worker.run: `dtrain run`); else they were given in code
+        # and config.toml says so, since its [model] and [data] do not describe them.
+        self.described_by_config = False
 
     def regroup(self, session: distributed.Session, global_order: bool) -> int:
         """Resuming a checkpoint written by another number of processes (a node lost for good, a job
@@ -135,7 +138,8 @@ class ResumePlan:
         continuing = self.resumed_from is not None and step < total_steps
         logged_past = False  # the interrupted run logged after the checkpoint: new tracker runs
         if is_main:
-            atomic_write_text(run_dir / "config.toml", rundir.CONFIG_HEADER + config.to_toml())
+            header = rundir.config_header(given_in_code=not self.described_by_config)
+            atomic_write_text(run_dir / "config.toml", header + config.to_toml())
             if continuing:
                 # An epoch that ended exactly at the checkpoint is evaluated again on resume.
                 epoch_end_pending = step == (epoch + 1) * steps_per_epoch

@@ -37,6 +37,7 @@ def run(config: Config) -> dict[str, Any]:
         models.check_kind(config, data.kind_of(config, splits.train))  # also where no launcher checked
         model = models.build(config.model, splits.input_shape, splits.num_classes)
         trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
+        trainer.plan.described_by_config = True  # config.toml: [model] and [data] are what trained
         if config.data.name == "tokens":
             trainer.setup()  # run.dir taken: keep the tokenizer beside the weights, for `dtrain generate`
             distributed.rank0_decides(lambda: _keep_tokenizer(config), is_main=session.is_main)
