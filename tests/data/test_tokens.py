@@ -18,7 +18,7 @@ from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
 from dtrain.models.gpt import GPT as GPTModel
 from dtrain.rundir.lock import RunDirLock
-from helpers import ROOT, WORKERS, assert_weights_close, dtrain, ok, run, torchrun, train_lines, weights
+from helpers import ROOT, WORKERS, assert_weights_close, dtrain, metrics, ok, run, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
@@ -183,6 +183,28 @@ def test_windows_across_shards_match_the_files(tmp_path):
     assert x[1].tolist() == list(range(80, 90)) and y[1].tolist() == list(range(81, 91))
     assert x[2].tolist() == list(range(1000, 1010)) and x[3].tolist() == list(range(1030, 1040))
     assert x.dtype == torch.int64 and windows[12][1].tolist() == list(range(1031, 1041))
+
+
+def test_a_held_out_split_shorter_than_one_window_is_said_once(tmp_path):
+    """20 held-out tokens and data.block_size 32: not one eval window. The run trains (2 processes) and
+    says once, at the start, that it does not evaluate and why; no eval line is written."""
+    rng = np.random.default_rng(0)
+    rng.integers(0, 256, 4000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 256, 20, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    splits = {"train": {"files": ["train.bin"], "tokens": 4000}, "val": {"files": ["val.bin"], "tokens": 20}}
+    meta = {"format": "dtrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256, "eot_token": 0}
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "bytes", "splits": splits}))
+    run_dir = tmp_path / "run"
+    result = ok(
+        dtrain("run", *GPT, f"data.path={tmp_path}", f"run.dir={run_dir}", "training.max_steps=2", "--nproc", "2")
+    )
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: data.path = '{tmp_path}' holds 20 held-out tokens and not one window of data.block_size + 1 = 33 "
+        f"tokens in a file: this run does not evaluate; lower data.block_size, or prepare more held-out text "
+        f"(--val-fraction)"
+    ]
+    assert train_lines(run_dir) and not [m for m in metrics(run_dir) if "loss" not in m]
 
 
 def test_memory_stays_flat_on_a_token_file_much_larger_than_a_batch(tmp_path):

@@ -1,6 +1,8 @@
 """The Trainer as a library: what it holds before set-up, `evaluate()` before `setup()`, and the caller's
 Config left as it was given when a resume changes the accumulation (config.toml says what was used)."""
 
+import json
+
 import pytest
 import tiny
 import tomllib
@@ -156,3 +158,13 @@ def test_an_api_runs_config_toml_says_its_model_was_given_in_code(tmp_path):
         f"trained it (dtrain launch SCRIPT), or delete the file's first line to train what it says"
     ]
     assert not (tmp_path / "rerun").exists()
+
+
+def test_an_empty_eval_set_is_said_once_not_evaluated(tmp_path, capfd):
+    """eval_data with no sample: one note at set-up, and no eval record (it held a step and no metric)."""
+    empty = torch.utils.data.TensorDataset(*(t[:0] for t in data().tensors))
+    dtrain.Trainer(config(tmp_path / "run"), model=model(), train_data=data(), eval_data=empty).fit()
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: eval_data holds no samples: this run does not evaluate"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all("loss" in record for record in records)

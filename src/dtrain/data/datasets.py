@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ class DataSplits:
     eval: Dataset | None
     input_shape: tuple[int, ...]
     num_classes: int
+    notes: list[str] = field(default_factory=list)  # what rank 0 says about the data (an eval set that is none)
 
 
 def build(config: Config) -> DataSplits:
@@ -129,11 +130,14 @@ def _tokens(data: DataConfig) -> DataSplits:
     meta = tokens.read_meta(data.path)
     train = tokens.TokenWindows(data.path, "train", data.block_size, meta)
     val = tokens.TokenWindows(data.path, "val", data.block_size, meta) if "val" in meta["splits"] else None
+    held_out = meta["splits"].get("val", {}).get("tokens", 0)
+    notes = [] if val is not None and len(val) else [tokens.no_eval_windows(data.path, held_out, data.block_size)]
     return DataSplits(
         train,
         val if val is not None and len(val) else None,
         input_shape=(data.block_size,),
         num_classes=meta["vocab_size"],
+        notes=notes,
     )
 
 

@@ -149,6 +149,18 @@ def windows_in(meta: dict[str, Any], split: str, block_size: int, folder: str | 
     return sum(max(0, (n - 1) // block_size) for n in sizes)
 
 
+def no_eval_windows(folder: str | Path, held_out: int, block_size: int) -> str:
+    """The note for a token folder whose held-out split gives no window: the run trains, and does not
+    evaluate."""
+    if not held_out:
+        return f"data.path = '{folder}' holds no held-out tokens: this run does not evaluate"
+    return (
+        f"data.path = '{folder}' holds {held_out:,} held-out tokens and not one window of data.block_size + 1 = "
+        f"{block_size + 1} tokens in a file: this run does not evaluate; lower data.block_size, or prepare "
+        f"more held-out text (--val-fraction)"
+    )
+
+
 def check_block_size(
     meta: dict[str, Any], block_size: int, folder: str | Path, world_size: int, batch_size: int
 ) -> None:

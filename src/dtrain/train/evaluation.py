@@ -10,6 +10,7 @@ eval sample. Sums stay on the device in float64 until the end: one host sync per
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,6 +58,10 @@ class Evaluator:
         """The evaluator of `eval_data`, this rank's share batched as `data` says (None without one); it
         tells `timer`'s progress (the hang watch) that it evaluates."""
         if eval_data is None:
+            return None
+        if len(eval_data) == 0:  # nothing to evaluate: said, rather than eval lines with no metric on them
+            if session.is_main:
+                print("note: eval_data holds no samples: this run does not evaluate", file=sys.stderr, flush=True)
             return None
         batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
         return cls(batches, loss_of, user_metrics, config.training.eval_every, precision, timer.progress)

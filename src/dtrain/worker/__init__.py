@@ -33,6 +33,8 @@ def run(config: Config) -> dict[str, Any]:
             data.fetch(config)
         distributed.barrier()
         splits = data.build(config)
+        for note in splits.notes if session.is_main else ():
+            print(f"note: {note}", file=sys.stderr, flush=True)
         torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
         models.check_kind(config, data.kind_of(config, splits.train))  # also where no launcher checked
         model = models.build(config.model, splits.input_shape, splits.num_classes)
