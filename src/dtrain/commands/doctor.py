@@ -255,40 +255,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 
 
-def matmul_tflops(device: str, dtype_name: str, threads: int, size: int | None = None, seconds: float = 0.4) -> float:
-    """Dense matmul TFLOP/s one process reaches on `device` with `threads` intra-op threads: the peak to
-    measure MFU against where no data sheet gives one (CPUs)."""
-    import time
-
-    import torch
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    size = size or (4096 if device.startswith("cuda") else 512)  # CPUs without bf16 units are slow at it
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        a @ b  # warm-up: kernel choice, thread pool
-        sync()
-        runs, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds or runs < 1:
-            a @ b
-            runs += 1
-            if runs % 4 == 0:
-                sync()
-        sync()
-        return 2 * size**3 * runs / (time.perf_counter() - start) / 1e12
-    finally:
-        torch.set_num_threads(before)
-
-
 def compute_report(nproc: int = 1) -> list[str]:
     """What one process computes per second here: the peak for MFU on a CPU (monitor.peak_tflops)."""
     import torch
 
     from dtrain.distributed import available_cores
+    from dtrain.train.speed import matmul_tflops
 
     threads = max(1, available_cores() // max(1, nproc))
     device = "cuda" if torch.cuda.is_available() else "cpu"

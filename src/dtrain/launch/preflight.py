@@ -3,6 +3,7 @@ line, with nothing written; data it may download is fetched."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from dtrain.observe.trackers import check_installed
 from dtrain.parallel.ddp_comm import check_comm_hook
 from dtrain.rundir.lock import RunDirLock
 from dtrain.train.amp import precision_problem
+from dtrain.train.speed import cpu_bf16_note
 
 
 def preflight(config: Config, world_size: int, local_world_size: int, config_file: str | None = None) -> str | None:
@@ -43,6 +45,10 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         )
         if problem:
             raise ConfigError(problem)
+    if config.training.precision == "bf16" and targets[0][0] == "cpu":  # said once, by the launcher
+        note = cpu_bf16_note(max(1, distributed.available_cores() // local_world_size))
+        if note:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     if config.training.compile != "none":
         problem = parallel.blocks.compiler_problem(targets[0][0])
         if problem:
