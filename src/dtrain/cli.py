@@ -133,8 +133,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
-    refuse_given_in_code(args.config)
     config, notes = read_config(args.config, overrides)
+    refuse_given_in_code(args.config)
     _say_notes([*notes, *idle_settings(config)])
     from dtrain.distributed import in_worker_environment
     from dtrain.launch import launch

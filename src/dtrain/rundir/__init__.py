@@ -46,8 +46,10 @@ def config_header(given_in_code: bool) -> str:
 def given_in_code(config_file: str | Path) -> bool:
     """Whether `config_file` is the config.toml of a run whose model and data were given in code."""
     try:
+        if not Path(config_file).is_file():  # a device (/dev/zero) would never end its first line
+            return False
         with open(config_file, encoding="utf-8") as fh:
-            return fh.readline() == GIVEN_IN_CODE_HEADER
+            return fh.readline(len(GIVEN_IN_CODE_HEADER) + 1) == GIVEN_IN_CODE_HEADER
     except (OSError, UnicodeDecodeError):
         return False
 
