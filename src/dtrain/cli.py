@@ -167,7 +167,8 @@ def cmd_launch(argv: Sequence[str]) -> int:
     parser = _Parser(
         prog="dtrain launch",
         description="Run your own training script (using dtrain.Trainer or plain "
-        "torch.distributed) in every worker, through torchrun.",
+        "torch.distributed) in every worker, through torchrun; in a pod (RANK and WORLD_SIZE set, no "
+        "launch flags), run it here as that pod's worker.",
     )
     _add_launch_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
