@@ -202,6 +202,16 @@ def test_an_empty_run_dir_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_dir_with_a_nul_character_is_refused(tmp_path):
+    """A TOML escape in a quoted override gives a character no path can hold: one line, not a traceback."""
+    refused(
+        dtrain("run", str(ROOT / CFG), 'run.dir="a\\u0000b"', cwd=tmp_path),
+        "run.dir = 'a\\x00b' holds a NUL character, which no path can; e.g. run.dir=runs/first",
+        tmp_path,
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_path):
     own = tmp_path / "config.toml"
     own.write_text("# my notes\n[training]\nepochs = 1\n")

@@ -48,6 +48,12 @@ class RunConfig(Section):
                 "run.dir is empty (an unset shell variable?); give the folder the run writes to, "
                 "e.g. run.dir=runs/first"
             )
+        if "\0" in self.dir:
+            # An escape in a quoted override ("\u0000") reaches no file system call: refuse it here, where
+            # it would otherwise end the launcher in a traceback.
+            raise ConfigError(
+                f"run.dir = {self.dir!r} holds a NUL character, which no path can; e.g. run.dir=runs/first"
+            )
         # A path the shell did not expand (run.dir=~/runs/x is one argument, not an assignment): expand it,
         # rather than make a folder called "~" in the current one.
         self.dir = os.path.expanduser(self.dir)
