@@ -327,6 +327,19 @@ def test_a_run_ended_by_ctrl_c_is_killed_with_exit_code_130_in_its_trackers(tmp_
     assert wandb_exits(part) in ([130], [])
 
 
+def test_an_mlflow_file_store_named_by_its_uri_is_logged_to(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI=file:... is a local store as run.dir/mlruns is: MLflow's opt-in for it is
+    given, not left to end rank 0 in a traceback."""
+    pytest.importorskip("mlflow")
+    store = (tmp_path / "store").as_uri()
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # as a user's shell has it
+    tracking = {"MLFLOW_TRACKING_URI": store}
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", 'monitor.trackers=["mlflow"]', extra_env=tracking))
+    _, (only,) = mlflow_runs(store, monkeypatch)
+    assert only.info.status == "FINISHED"
+    assert not (tmp_path / "run" / "mlruns").exists()
+
+
 def test_a_sigterm_before_the_first_step_ends_the_tracker_run_killed(tmp_path, monkeypatch):
     """SIGTERM on rank 0 as MLflow starts, before the first step: the new run's outputs go (the same
     command starts afresh), and the MLflow run it had begun, on a store outside run.dir, reads KILLED."""

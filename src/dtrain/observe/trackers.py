@@ -18,6 +18,7 @@ import importlib.util
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from dtrain.errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
 
@@ -83,10 +84,13 @@ class MLflowTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], resuming: bool = False, resumed_from: int | None = None):
         import mlflow
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # The local file store needs this opt-in since MLflow 3.7; the database store needs the full
-            # mlflow package. A server (MLFLOW_TRACKING_URI) needs neither.
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if urlsplit(uri).scheme in ("", "file"):
+            # The local file store needs this opt-in since MLflow 3.7 (also where MLFLOW_TRACKING_URI names
+            # one: a folder or a file: URI); the database store needs the full mlflow package. A server
+            # needs neither.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if not uri:
             mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
         experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dtrain"))
         self._mlflow = mlflow
