@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.data.prepare import EOT, load_tokenizer, prepare_text, stdlib_files
+from dtrain.data.prepare import EOT, held_out, load_tokenizer, prepare_text, stdlib_files
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
@@ -109,6 +109,15 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_p
         "65536); use --dtype uint32 or a smaller --vocab-size"
     ), result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "empty"]  # no output, no staging folder
+
+
+def test_one_document_is_trained_on_whatever_its_name(tmp_path):
+    """A one-file corpus whose name the hash would hold out is the training split, as any other name's
+    is, not refused: which name a user's file has must not decide whether prepare works."""
+    name = next(f"doc{i}.txt" for i in range(10_000) if held_out(str(tmp_path / f"doc{i}.txt"), 0.05))
+    (tmp_path / name).write_text("one document, the whole corpus\n" * 20)
+    meta = prepare_text([str(tmp_path / name)], str(tmp_path / "out"), tokenizer="bytes")
+    assert meta["splits"]["train"]["tokens"] > 0 and not meta["splits"].get("val", {}).get("tokens")
 
 
 def test_the_standard_library_corpus_is_python_source_without_tests():

@@ -155,8 +155,8 @@ def prepare_text(
     train = [d for d in documents if not held_out(str(d), val_fraction)]
     if val_fraction > 0 and not val and len(documents) > 1:
         val, train = train[-1:], train[:-1]  # a corpus too small for the hash to pick one: the last
-    if not train:
-        raise DtrainError("every document went to the held-out split; lower --val-fraction")
+    if not train:  # the hash held out every document (one alone, whose name it happened to pick): train on it
+        train, val = val[:1], val[1:]
 
     tok: Any  # a tokenizers.Tokenizer
     encode: Encoder
