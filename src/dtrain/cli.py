@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from dtrain import __version__, console, early_stop
 from dtrain.config import check_model_fits_data, idle_settings, read_config
-from dtrain.errors import EXIT_USAGE, DtrainError
+from dtrain.errors import EXIT_REQUEUE, EXIT_USAGE, DtrainError
 from dtrain.rundir import refuse_given_in_code
 
 # torch is imported only after the command line and config have been checked, so that a typo is
@@ -254,6 +255,17 @@ def cmd_report(argv: Sequence[str]) -> int:
     return 0
 
 
+def _prepare_stopped(out: str):
+    """SIGTERM during prepare: unwind (exit 75, one line), so that nothing of --out is left behind."""
+
+    def stop(signum: int, frame: object) -> None:
+        error = DtrainError(f"stopped by SIGTERM; nothing was written to {out} — rerun the same command to prepare it")
+        error.exit_code = EXIT_REQUEUE
+        raise error
+
+    return stop
+
+
 def cmd_prepare(argv: Sequence[str]) -> int:
     parser = _Parser(
         prog="dtrain prepare", description="Turn text into token shards for data.name=tokens (see data/tokens.py)."
@@ -293,6 +305,9 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     from dtrain.data.prepare import prepare_text
 
+    # The early handler ends the process at once (os._exit): here that would leave prepare's staging
+    # folder beside --out. Raised instead, the SIGTERM unwinds through prepare, which removes it.
+    signal.signal(signal.SIGTERM, _prepare_stopped(args.out))
     meta = prepare_text(
         args.sources,
         args.out,

@@ -2,6 +2,7 @@
 GPT (parity with a hand-written nanoGPT-style loop), exact resume, `dtrain generate`, bad input."""
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -18,7 +19,7 @@ from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
 from dtrain.models.gpt import GPT as GPTModel
 from dtrain.rundir.lock import RunDirLock
-from helpers import ROOT, WORKERS, assert_weights_close, dtrain, metrics, ok, run, torchrun, train_lines, weights
+from helpers import ROOT, WORKERS, assert_weights_close, dtrain, env, metrics, ok, run, torchrun, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
@@ -118,6 +119,28 @@ def test_one_document_is_trained_on_whatever_its_name(tmp_path):
     (tmp_path / name).write_text("one document, the whole corpus\n" * 20)
     meta = prepare_text([str(tmp_path / name)], str(tmp_path / "out"), tokenizer="bytes")
     assert meta["splits"]["train"]["tokens"] > 0 and not meta["splits"].get("val", {}).get("tokens")
+
+
+def test_a_sigterm_while_prepare_writes_leaves_neither_output_nor_staging_folder(corpus, tmp_path):
+    """SIGTERM as the shards are being written (tqdm's lock imports that module then): --out's parent
+    holds nothing of this prepare, its staging folder included; exit 75 and one line."""
+    out = tmp_path / "out"
+    pythonpath = os.pathsep.join([str(WORKERS / "process_faults"), env()["PYTHONPATH"]])
+    result = dtrain(
+        "prepare",
+        "text",
+        str(corpus),
+        "--out",
+        str(out),
+        "--tokenizer",
+        "bytes",
+        extra_env={"SIGTERM_AT_IMPORT": "multiprocessing.synchronize", "PYTHONPATH": pythonpath},
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [], result.stderr
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.strip() == (
+        f"dtrain: error: stopped by SIGTERM; nothing was written to {out} — rerun the same command to prepare it"
+    )
 
 
 def test_the_standard_library_corpus_is_python_source_without_tests():
