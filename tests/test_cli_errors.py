@@ -62,8 +62,8 @@ def refused(result, message: str, tmp_path) -> None:
         ),
         (
             ["data.input_shape=[1,", "2]"],
-            "data.input_shape = [1, on the command line: its '[' is never closed; quote the whole override for the "
-            "shell, e.g. 'data.input_shape=[1]'",
+            "data.input_shape = [1, on the command line: its '[' is never closed: the shell split it at a space; "
+            "quote the whole override, rest and all, e.g. 'data.input_shape=[1, ...]'",
         ),
         (
             ["model.name=gpt"],

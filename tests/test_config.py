@@ -128,7 +128,7 @@ def test_resolved_config_round_trips(tmp_path):
             "data.input_shape = [1, 2 on the command line: its '[' is never closed; quote the whole override for "
             "the shell, e.g. 'data.input_shape=[1, 2]'",
         ),
-        ("data.input_shape=[1,", "its '[' is never closed; quote the whole override for the shell, e.g."),
+        ("data.input_shape=[1,", "its '[' is never closed: the shell split it at a space; quote the whole override"),
         ("run.dir=x]", "run.dir = x] on the command line: its ']' closes nothing; leave it out, or write a whole"),
         ("model.options={a = 1", "its '{' is never closed; quote the whole override for the shell, e.g. 'model.op"),
     ],

@@ -157,8 +157,13 @@ def _bracket_problem(key: str, text: str) -> str | None:
             return f"its '{char}' closes nothing; leave it out, or write a whole TOML list such as [1, 2]"
     if not unclosed:
         return None
-    closed = text.rstrip(", ") + "".join(_PAIRS[c] for c in reversed(unclosed))
-    return f"its '{unclosed[-1]}' is never closed; quote the whole override for the shell, e.g. '{key}={closed}'"
+    closers = "".join(_PAIRS[c] for c in reversed(unclosed))
+    if text.endswith(","):  # the shell split the list at a space: the rest arrived as other arguments
+        return (
+            f"its '{unclosed[-1]}' is never closed: the shell split it at a space; quote the whole override, "
+            f"rest and all, e.g. '{key}={text} ...{closers}'"
+        )
+    return f"its '{unclosed[-1]}' is never closed; quote the whole override for the shell, e.g. '{key}={text}{closers}'"
 
 
 def inline(value: Any) -> str:
