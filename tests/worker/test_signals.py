@@ -211,15 +211,21 @@ def test_ctrl_c_or_sigterm_while_the_first_node_waits_for_the_others_ends_it_at_
     Ctrl-C there did nothing until the rendezvous timed out (minutes). Now the node ends within seconds,
     quietly on Ctrl-C (130), with dtrain's line on SIGTERM (75) — never a C++ frame or a traceback."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dtrain", "run", *SMALL_JOB, f"run.dir={tmp_path}"]
-        + ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # The node starts as a terminal starts it, Ctrl-C live: a child inherits an ignored SIGINT, and
+    # something earlier in a long suite may have left this process's SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dtrain", "run", *SMALL_JOB, f"run.dir={tmp_path}"]
+            + ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     wait_for(lambda: listening(port) or proc.poll() is not None, "the rendezvous store")
     time.sleep(0.5)  # inside the wait for the other node
     proc.send_signal(signum)
@@ -227,7 +233,8 @@ def test_ctrl_c_or_sigterm_while_the_first_node_waits_for_the_others_ends_it_at_
         _, err = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"still waiting 10 s after the signal:\n{proc.communicate()[1]}") from None
+        said = proc.communicate()[1]
+        raise AssertionError(f"still waiting 10 s after the signal (SIGINT here: {inherited}):\n{said}") from None
     assert proc.returncode == code, err
     assert "frame #" not in err and "Traceback" not in err, err
     assert err.count(BEFORE) == (signum == signal.SIGTERM), err
