@@ -24,3 +24,14 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, and DTRAIN_REQUIRE_FULL=1 forbids skips: {reason}"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 protocol server on loopback for the whole session (tests/s3server.py): its endpoint,
+    bucket and credentials, and `s3.env` for the processes a test starts. Each test uses its own prefix."""
+    from s3server import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()
