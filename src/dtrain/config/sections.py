@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from dtrain import objstore
 from dtrain.config.settings import A_YEAR, coerce, setting
 from dtrain.errors import ConfigError
 
@@ -211,7 +212,8 @@ class DataConfig(Section):
     )
     path: str = setting(
         "data/mnist",
-        "Folder holding the four MNIST IDX files (plain or .gz), or the token shards and meta.json (data.name=tokens).",
+        "Folder holding the four MNIST IDX files (plain or .gz), or the token shards and meta.json (data.name=tokens; "
+        "also a URL such as s3://bucket/prefix, read in ranges; credentials from boto's environment, never the URL).",
     )
     block_size: int = setting(
         256,
@@ -237,6 +239,12 @@ class DataConfig(Section):
 
     def check(self) -> None:
         self.path = os.path.expanduser(self.path)  # as run.dir
+        if objstore.credentials_in(self.path):  # it would be written into config.toml and the logs
+            raise ConfigError(
+                f"data.path = '{objstore.without_credentials(self.path)}' carries a password in the URL; give "
+                f"credentials through the store's environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a "
+                f"profile) and only the URL here"
+            )
         _check_builtin_or_factory("data.name", self.name, tuple(DATA_GIVES))
         if not self.input_shape or any(d < 1 for d in self.input_shape):
             raise ConfigError(

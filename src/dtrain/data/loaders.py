@@ -165,11 +165,30 @@ class _TakeSource:
         self.pin = pin
 
     def batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
-        for chunk in indices.split(batch_size) if len(indices) else ():
-            batch = self.dataset.take(chunk)
+        chunks = indices.split(batch_size) if len(indices) else ()
+        take = self.dataset.take
+        for batch in _read_ahead(take, chunks) if getattr(self.dataset, "read_ahead", False) else map(take, chunks):
             if self.pin:
                 batch = map_tensors(batch, torch.Tensor.pin_memory)
             yield to_device(batch, self.device)
+
+
+def _read_ahead(take: Callable[[torch.Tensor], Any], chunks: Any) -> Iterator[Any]:
+    """take(chunk) for each chunk, the next one read in a thread while the caller trains on this one: a
+    data set on object storage waits a round trip per batch, which this hides behind the step. One batch
+    ahead, never more (memory holds two), and the same batches in the same order as without it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = list(chunks)
+    if not chunks:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-read-ahead") as pool:
+        pending = pool.submit(take, chunks[0])
+        for chunk in chunks[1:]:
+            batch = pending.result()
+            pending = pool.submit(take, chunk)
+            yield batch
+        yield pending.result()
 
 
 class _LoaderSource:

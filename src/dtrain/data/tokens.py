@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dtrain.data.shard_store import store_at
 from dtrain.errors import DataError
 
 FORMAT = "dtrain-tokens"
@@ -32,16 +33,22 @@ DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np
 
 
 def read_meta(folder: str | Path) -> dict[str, Any]:
-    """meta.json of a token folder, checked for everything a run relies on; one line when it is not."""
-    folder = Path(folder)
-    path = folder / "meta.json"
-    if not path.is_file():
+    """meta.json of a token folder (or object store prefix), checked for everything a run relies on; one
+    line when it is not."""
+    store = store_at(folder)
+    path = store.where("meta.json")
+    if store.size("meta.json") is None:
+        if store.remote:
+            raise DataError(
+                f"{path} does not exist: data.path must be a prefix holding the files `dtrain prepare text ... "
+                f"--out DIR` wrote into DIR (copied there as they are), or a local folder"
+            )
         raise DataError(
             f"{path} does not exist: data.path must be a folder made by `dtrain prepare text ... "
             f"--out {folder}` (or holding the same format)"
         )
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(store.read_text("meta.json"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path} is not readable JSON ({exc}); prepare the data again") from None
 
@@ -75,19 +82,19 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
             raise bad(f"split '{name}' needs 'files' (names in the folder) and 'tokens' (a count)")
         on_disk = 0
         for name_ in files:
-            file = folder / name_
-            if not file.is_file():
-                raise DataError(f"{file} is missing (listed in {path}); prepare the data again")
-            size = file.stat().st_size
+            size = store.size(name_)
+            if size is None:
+                raise DataError(f"{store.where(name_)} is missing (listed in {path}); prepare the data again")
             if size % itemsize:
                 raise DataError(
-                    f"{file} is {size} bytes, not a whole number of {meta['dtype']} tokens; prepare the data again"
+                    f"{store.where(name_)} is {size} bytes, not a whole number of {meta['dtype']} tokens; "
+                    f"prepare the data again"
                 )
             on_disk += size // itemsize
         if on_disk != tokens:
             raise bad(f"split '{name}' lists {tokens} tokens and its files hold {on_disk}")
     tokenizer = meta.get("tokenizer", "bytes")
-    if tokenizer != "bytes" and not (isinstance(tokenizer, str) and (folder / tokenizer).is_file()):
+    if tokenizer != "bytes" and not (isinstance(tokenizer, str) and store.size(tokenizer) is not None):
         raise bad(f"'tokenizer' must be \"bytes\" or a file in the folder; {tokenizer!r} is neither")
     return meta
 
@@ -99,16 +106,17 @@ class TokenWindows(Dataset):
     global_order = True  # the sampler serves it in an order that does not depend on the world size
 
     def __init__(self, folder: str | Path, split: str, block_size: int, meta: dict[str, Any] | None = None):
-        self.folder = Path(folder)
+        store = store_at(folder)
+        self.folder: str | Path = folder if store.remote else Path(folder)
         self.meta = meta or read_meta(folder)
         self.block_size = block_size
         self.vocab_size = self.meta["vocab_size"]
         dtype = DTYPES[self.meta["dtype"]]
-        files = self.meta["splits"][split]["files"]
-        self._maps = [
-            np.memmap(self.folder / f, dtype=dtype, mode="r") for f in files if (self.folder / f).stat().st_size > 0
-        ]
-        counts = [max(0, (len(m) - 1) // block_size) for m in self._maps]
+        files = [f for f in self.meta["splits"][split]["files"] if store.size(f)]  # an empty file maps nothing
+        self._shards = store.open(files, dtype)
+        # Object storage: the batch loop fetches the next batch while this one trains (RemoteShards).
+        self.read_ahead = getattr(self._shards, "read_ahead", False)
+        counts = [max(0, (n - 1) // block_size) for n in self._shards.lengths]
         self._starts = np.cumsum([0, *counts])  # window index where each file begins
 
     def __len__(self) -> int:
@@ -120,17 +128,13 @@ class TokenWindows(Dataset):
 
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows at `indices` as (inputs, targets), each (len(indices), block_size) int64: one
-        vectorised read per shard, nothing else of the file touched."""
+        vectorised read per shard (a ranged request per window on object storage), nothing else of the
+        file touched."""
         idx = indices.cpu().numpy().astype(np.int64)
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"window index out of range 0..{len(self) - 1}")
-        windows = np.empty((len(idx), self.block_size + 1), dtype=np.int64)
         shard = np.searchsorted(self._starts, idx, side="right") - 1
-        offsets = np.arange(self.block_size + 1)
-        for s in np.unique(shard):
-            rows = np.nonzero(shard == s)[0]
-            first = (idx[rows] - self._starts[s]) * self.block_size
-            windows[rows] = self._maps[s][first[:, None] + offsets]
+        windows = self._shards.gather(shard, (idx - self._starts[shard]) * self.block_size, self.block_size + 1)
         if len(idx) and (windows.max() >= self.vocab_size or windows.min() < 0):
             bad = int(windows.max())
             raise DataError(
@@ -145,7 +149,8 @@ class TokenWindows(Dataset):
 def windows_in(meta: dict[str, Any], split: str, block_size: int, folder: str | Path) -> int:
     """How many windows a split holds, from file sizes alone."""
     itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
-    sizes = [(Path(folder) / f).stat().st_size // itemsize for f in meta["splits"][split]["files"]]
+    store = store_at(folder)
+    sizes = [(store.size(f) or 0) // itemsize for f in meta["splits"][split]["files"]]
     return sum(max(0, (n - 1) // block_size) for n in sizes)
 
 
@@ -180,11 +185,11 @@ def keep_tokenizer(folder: str | Path, run_dir: Path) -> None:
     that a run can be sampled wherever it is read from and whatever becomes of data.path."""
     from dtrain.files import atomic_write_text
 
-    folder, out = Path(folder), run_dir / "tokenizer"
+    out = run_dir / "tokenizer"
     meta = read_meta(folder)
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
     if meta.get("tokenizer", "bytes") != "bytes":
-        atomic_write_text(out / "tokenizer.json", (folder / meta["tokenizer"]).read_text(encoding="utf-8"))
+        atomic_write_text(out / "tokenizer.json", store_at(folder).read_text(meta["tokenizer"]))
 
 
 def read_kept_tokenizer_meta(run_dir: Path) -> dict[str, Any] | None:

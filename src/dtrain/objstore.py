@@ -1,0 +1,117 @@
+"""Object storage: a path that is a URL (`s3://bucket/prefix`, or any other fsspec protocol) is read
+through fsspec; a local path never comes here (memory maps and plain files stay as fast as they were).
+
+Credentials are never part of dtrain's config: they come from where the store's own client looks (for
+S3, boto's environment variables `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_ENDPOINT_URL`,
+`~/.aws/config`, an instance role), so `config.toml`, the console and the logs hold only the URL.
+
+fsspec (which torch already installs) and s3fs (the `s3` extra) are imported only when a URL is used.
+Shared by every stage that reads or writes a URL (token data today; run.dir's checkpoints next).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from dtrain.errors import DtrainError
+
+# What installs the S3 protocol: said whenever an s3:// URL finds s3fs missing.
+S3_EXTRA = "pip install 'dtrain[s3]'"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class StorageError(DtrainError):
+    """An object store that refuses the URL, its bucket or the credentials, or a protocol not installed."""
+
+
+def is_url(path: object) -> bool:
+    """Whether `path` names object storage (`scheme://...`) rather than a local path."""
+    return isinstance(path, str) and bool(_URL.match(path))
+
+
+def protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def credentials_in(url: str) -> bool:
+    """Whether a URL carries a password (`scheme://user:secret@host/...`), which would then be written
+    into config.toml and every log line that quotes the URL."""
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
+
+
+def without_credentials(url: str) -> str:
+    """The URL with its user and password left out: what may be shown."""
+    try:
+        parts = urlsplit(url)
+        return parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]).geturl()
+    except ValueError:
+        return protocol(url) + "://…"
+
+
+def join(url: str, name: str) -> str:
+    """`url/name`: an object's URL under a prefix."""
+    return url.rstrip("/") + "/" + name
+
+
+def filesystem(url: str, key: str) -> tuple[Any, str]:
+    """(fsspec filesystem, its path for `url`) for the config key `key` that names the URL; a protocol
+    whose package is missing is one line naming what installs it."""
+    import fsspec  # here, not at import: local runs never load it
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        how = S3_EXTRA if protocol(url) in ("s3", "s3a") else str(exc).rstrip(".")  # fsspec names the package
+        raise StorageError(
+            f"{key} = '{url}' needs the {protocol(url)}:// protocol, which is not installed; {how}"
+        ) from None
+    except ValueError as exc:  # fsspec's "Protocol not known"
+        raise StorageError(
+            f"{key} = '{url}': {exc}; use a local path or a URL fsspec knows (s3://bucket/prefix)"
+        ) from None
+    return fs, path
+
+
+def bucket_of(path: str) -> str:
+    """The bucket (container) of a filesystem path: its first component."""
+    return path.split("/", 1)[0]
+
+
+def refusal(exc: BaseException, url: str, key: str, fs: Any = None, path: str = "") -> StorageError | None:
+    """The one line for a store's refusal of `url` (a missing bucket, credentials it does not take,
+    none found, a store that does not answer), or None for an error that is none of these."""
+    name = type(exc).__name__
+    fix = "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) and AWS_ENDPOINT_URL for this store"
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return StorageError(f"{key} = '{url}': no credentials for the store were found; {fix}")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{key} = '{url}': the store refused these credentials ({_first_line(exc)}); {fix}")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or isinstance(
+        exc, ConnectionError
+    ):
+        return StorageError(
+            f"{key} = '{url}': the store does not answer ({_first_line(exc)}); check AWS_ENDPOINT_URL and the network"
+        )
+    if isinstance(exc, FileNotFoundError) and fs is not None and path and not _exists(fs, bucket_of(path)):
+        return StorageError(
+            f"{key} = '{url}': bucket '{bucket_of(path)}' does not exist (or these credentials cannot see it); "
+            f"create it, or name an existing one"
+        )
+    return None
+
+
+def _exists(fs: Any, path: str) -> bool:
+    try:
+        return bool(fs.exists(path))
+    except Exception:  # a store that cannot say: the caller's own message stands
+        return True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

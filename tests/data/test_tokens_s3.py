@@ -1,0 +1,144 @@
+"""Token data on object storage: `data.path = s3://bucket/prefix` against a real S3 protocol server on
+loopback (moto's server mode, tests/s3server.py), found by dtrain and its torchrun workers through boto's
+usual environment, as a real store would be. Nothing of fsspec, s3fs or boto is mocked."""
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.data.tokens import TokenWindows
+from helpers import dtrain, env, eval_lines, ok, train_lines, weights
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+GPT = [
+    "examples/gpt_stdlib.toml",
+    "data.block_size=32",
+    "data.batch_size=4",
+    "data.eval_batch_size=16",
+    "training.epochs=1",
+    "training.max_steps=6",
+    "training.log_every=1",
+    "model.options={n_layer = 1, n_head = 2, n_embd = 32}",
+    "scheduler.warmup_steps=2",
+    "checkpoint.every_steps=0",
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """`dtrain prepare text` output (a BPE tokenizer and shards of one standard-library package)."""
+    corpus = tmp_path_factory.mktemp("corpus")
+    shutil.copytree(STDLIB / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("tokens") / "bpe"
+    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--vocab-size", "400", "--val-fraction", "0.2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uploaded(s3, prepared):
+    """The prepared folder copied into the bucket as it is; its URL."""
+    return s3.upload(prepared, "tokens/json")
+
+
+def test_windows_read_from_the_bucket_are_the_local_folders(s3, prepared, uploaded, monkeypatch):
+    """Every window of both splits, read by ranged requests from the store, equals the memory map's."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    for split in ("train", "val"):
+        local, remote = TokenWindows(prepared, split, 32), TokenWindows(uploaded, split, 32)
+        assert len(local) == len(remote) > 8
+        order = torch.randperm(len(local), generator=torch.Generator().manual_seed(0))
+        for a, b in zip(local.take(order), remote.take(order)):
+            assert torch.equal(a, b)
+    # Only ranges of the shards were asked for, never a whole shard: no local copy of the data set.
+    shard_gets = [r for r in s3.requests() if r[0] == "GET" and r[1].endswith(".bin")]
+    assert shard_gets and all(status == 206 for _, _, status in shard_gets), shard_gets
+
+
+@pytest.fixture(scope="module")
+def runs(s3, prepared, uploaded, tmp_path_factory):
+    """The same 2-process GPT run on the local folder and on the bucket."""
+    local, remote = tmp_path_factory.mktemp("local"), tmp_path_factory.mktemp("remote")
+    ok(dtrain("run", *GPT, f"data.path={prepared}", f"run.dir={local}", "--nproc", "2"))
+    result = ok(dtrain("run", *GPT, f"data.path={uploaded}", f"run.dir={remote}", "--nproc", "2", extra_env=s3.env))
+    return local, remote, result
+
+
+def test_a_run_on_the_bucket_trains_bitwise_as_on_the_local_folder(runs):
+    """The same tokens in the same order give the same computation on the same 2 CPU processes: losses,
+    eval losses and final weights are bitwise equal, not merely close."""
+    local, remote, _ = runs
+    assert [m["loss"] for m in train_lines(local)] == [m["loss"] for m in train_lines(remote)]
+    a, b = weights(local), weights(remote)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    evals = [[m["eval_loss"] for m in eval_lines(d)] for d in (local, remote)]
+    assert evals[0] == evals[1] and evals[0]
+    # The tokenizer kept beside the weights (what `dtrain generate` decodes with) came from the bucket.
+    for name in ("meta.json", "tokenizer.json"):
+        assert (remote / "tokenizer" / name).read_bytes() == (local / "tokenizer" / name).read_bytes()
+
+
+def test_the_credentials_are_written_nowhere(s3, uploaded, runs):
+    """config.toml records the URL; neither the key's secret nor the key id is in any file of run.dir, nor
+    on the console."""
+    _, remote, result = runs
+    assert f'path = "{uploaded}"' in (remote / "config.toml").read_text()
+    files = [p for p in remote.rglob("*") if p.is_file()]
+    assert any(p.name == "metrics.jsonl" for p in files)
+    for secret in (s3.secret, s3.key):
+        assert secret not in result.stdout + result.stderr
+        assert not [p for p in files if secret.encode() in p.read_bytes()]
+
+
+HIDE_S3FS = """\
+import sys
+
+
+class HideS3fs:
+    # As if the s3 extra were not installed: `import s3fs` fails as it would then.
+    def find_spec(self, name, path=None, target=None):
+        if name == "s3fs" or name.startswith("s3fs."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, HideS3fs())
+"""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no bucket", "no meta.json", "wrong secret", "unknown key", "no credentials", "no s3fs", "password in URL"],
+)
+def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, uploaded, tmp_path, case):
+    """Refused before any worker starts: exit 2, one line naming the URL and what would work, the secret
+    nowhere, run.dir not even created."""
+    url, extra = uploaded, dict(s3.env)
+    if case == "no bucket":
+        url = "s3://no-such-bucket/tokens"
+        expected = "data.path = 's3://no-such-bucket/tokens': bucket 'no-such-bucket' does not exist"
+    elif case == "no meta.json":
+        url = s3.url("nothing/here")
+        expected = f"{url}/meta.json does not exist: data.path must be a prefix holding the files `dtrain prepare"
+    elif case in ("wrong secret", "unknown key"):
+        extra["AWS_SECRET_ACCESS_KEY" if case == "wrong secret" else "AWS_ACCESS_KEY_ID"] = "AKIAWRONGWRONGWRONG0"
+        expected = f"data.path = '{url}': the store refused these credentials ("
+    elif case == "no credentials":
+        del extra["AWS_ACCESS_KEY_ID"], extra["AWS_SECRET_ACCESS_KEY"]
+        expected = f"data.path = '{url}': no credentials for the store were found; check AWS_ACCESS_KEY_ID"
+    elif case == "no s3fs":
+        hide = tmp_path / "hide"
+        hide.mkdir()
+        (hide / "sitecustomize.py").write_text(HIDE_S3FS)
+        extra["PYTHONPATH"] = f"{hide}:{env()['PYTHONPATH']}"
+        expected = f"data.path = '{url}' needs the s3:// protocol, which is not installed; pip install 'dtrain[s3]'"
+    else:
+        url = url.replace("s3://", f"s3://{s3.key}:{s3.secret}@")
+        expected = f"data.path = '{url.replace(f'{s3.key}:{s3.secret}@', '')}' carries a password in the URL"
+    run_dir = tmp_path / "run"
+    result = dtrain("run", *GPT, f"data.path={url}", f"run.dir={run_dir}", "--nproc", "2", extra_env=extra)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: " + expected), lines
+    assert s3.secret not in lines[0] and not run_dir.exists()
