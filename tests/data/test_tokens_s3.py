@@ -4,6 +4,7 @@ usual environment, as a real store would be. Nothing of fsspec, s3fs or boto is 
 
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,38 @@ def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, up
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: " + expected), lines
     assert s3.secret not in lines[0] and not run_dir.exists()
+
+
+class SlowStore:
+    """A data set whose `take` stands for a store's round trip; it records when each batch was asked for."""
+
+    read_ahead = True
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def take(self, indices: torch.Tensor) -> torch.Tensor:
+        self.asked.append(int(indices[0]))
+        return indices.clone()
+
+
+def test_object_storage_reads_one_batch_ahead_and_never_more():
+    """The next batch is asked for while the caller holds this one (the read-ahead), never two ahead, and
+    the batches come in the same order as without it."""
+    from dtrain.config import DataConfig
+    from dtrain.data.loaders import _source_for
+
+    store = SlowStore()
+    batches = _source_for(store, DataConfig(), torch.device("cpu"), None).batches(torch.arange(40), 4)
+    got = []
+    for k, batch in enumerate(batches):
+        got.append(batch)
+        assert len(store.asked) <= k + 2  # batch k, and at most batch k + 1 in flight
+        if k == 3:  # held a while: the thread asks for batch k + 1 meanwhile, and for no more
+            for _ in range(500):
+                if len(store.asked) == k + 2:
+                    break
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert len(store.asked) == k + 2
+    assert torch.equal(torch.cat(got), torch.arange(40)) and store.asked == list(range(0, 40, 4))
