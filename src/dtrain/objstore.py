@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import urlsplit
 
 from dtrain.errors import DtrainError
 
@@ -37,20 +36,21 @@ def protocol(url: str) -> str:
 
 def credentials_in(url: str) -> bool:
     """Whether a URL carries a password (`scheme://user:secret@host/...`), which would then be written
-    into config.toml and every log line that quotes the URL."""
-    try:
-        return urlsplit(url).password is not None
-    except ValueError:
+    into config.toml and every log line that quotes the URL. A secret holding '/' (S3's often do) ends
+    the URL's host early (`s3://KEY:SE/CRET@bucket`): a ':' in the host with an '@' after it counts too
+    (no bucket name holds ':')."""
+    if not is_url(url):
         return False
+    rest = url.split("://", 1)[1]
+    host = rest.split("/", 1)[0]
+    return ("@" in host and ":" in host.split("@", 1)[0]) or (":" in host and "@" in rest)
 
 
 def without_credentials(url: str) -> str:
     """The URL with its user and password left out: what may be shown."""
-    try:
-        parts = urlsplit(url)
-        return parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]).geturl()
-    except ValueError:
-        return protocol(url) + "://…"
+    if not credentials_in(url):
+        return url
+    return url.split("://", 1)[0] + "://" + url.split("://", 1)[1].split("@", 1)[1]
 
 
 def join(url: str, name: str) -> str:
@@ -97,6 +97,9 @@ def refusal(exc: BaseException, url: str, key: str, fs: Any = None, path: str = 
         return StorageError(
             f"{key} = '{url}': the store does not answer ({_first_line(exc)}); check AWS_ENDPOINT_URL and the network"
         )
+    if isinstance(exc, ValueError) or name == "ParamValidationError":  # a bucket name the client refuses
+        said = str(exc).strip().splitlines()[-1].split(": ")[0] if str(exc).strip() else name
+        return StorageError(f"{key} = '{url}' is not a usable URL ({said}); e.g. s3://bucket/prefix")
     if isinstance(exc, FileNotFoundError) and fs is not None and path and not _exists(fs, bucket_of(path)):
         return StorageError(
             f"{key} = '{url}': bucket '{bucket_of(path)}' does not exist (or these credentials cannot see it); "

@@ -111,7 +111,17 @@ sys.meta_path.insert(0, HideS3fs())
 
 @pytest.mark.parametrize(
     "case",
-    ["no bucket", "no meta.json", "wrong secret", "unknown key", "no credentials", "no s3fs", "password in URL"],
+    [
+        "no bucket",
+        "bad bucket name",
+        "no meta.json",
+        "wrong secret",
+        "unknown key",
+        "no credentials",
+        "no s3fs",
+        "password in URL",
+        "password with a slash in URL",
+    ],
 )
 def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, uploaded, tmp_path, case):
     """Refused before any worker starts: exit 2, one line naming the URL and what would work, the secret
@@ -120,6 +130,9 @@ def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, up
     if case == "no bucket":
         url = "s3://no-such-bucket/tokens"
         expected = "data.path = 's3://no-such-bucket/tokens': bucket 'no-such-bucket' does not exist"
+    elif case == "bad bucket name":
+        url = "s3://bad bucket!/tokens"
+        expected = f"data.path = '{url}' is not a usable URL (Invalid bucket name \"bad bucket!\"); e.g. s3://"
     elif case == "no meta.json":
         url = s3.url("nothing/here")
         expected = f"{url}/meta.json does not exist: data.path must be a prefix holding the files `dtrain prepare"
@@ -135,14 +148,15 @@ def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, up
         (hide / "sitecustomize.py").write_text(HIDE_S3FS)
         extra["PYTHONPATH"] = f"{hide}:{env()['PYTHONPATH']}"
         expected = f"data.path = '{url}' needs the s3:// protocol, which is not installed; pip install 'dtrain[s3]'"
-    else:
-        url = url.replace("s3://", f"s3://{s3.key}:{s3.secret}@")
-        expected = f"data.path = '{url.replace(f'{s3.key}:{s3.secret}@', '')}' carries a password in the URL"
+    else:  # the secret as the server made it, and one holding '/' as S3 secrets often do
+        secret = s3.secret if case == "password in URL" else "wJalrXUt/EXAMPLE+KEY"
+        url = url.replace("s3://", f"s3://{s3.key}:{secret}@")
+        expected = f"data.path = '{uploaded}' carries a password in the URL"
     run_dir = tmp_path / "run"
     result = dtrain("run", *GPT, f"data.path={url}", f"run.dir={run_dir}", "--nproc", "2", extra_env=extra)
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: " + expected), lines
-    assert s3.secret not in lines[0] and not run_dir.exists()
+    assert s3.secret not in lines[0] and "EXAMPLE" not in lines[0] and not run_dir.exists()
 
 
 class SlowStore:
