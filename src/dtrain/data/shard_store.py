@@ -74,7 +74,7 @@ class RemoteFolder:
     def where(self, name: str) -> str:
         return objstore.join(self.url, name)
 
-    def _refused(self, exc: BaseException) -> objstore.StorageError | None:
+    def refused(self, exc: BaseException) -> objstore.StorageError | None:
         return objstore.refusal(exc, self.url, "data.path", self.fs, self.root)
 
     def size(self, name: str) -> int | None:
@@ -82,7 +82,7 @@ class RemoteFolder:
             try:
                 entries = self.fs.ls(self.root, detail=True)
             except Exception as exc:
-                refused = self._refused(exc)
+                refused = self.refused(exc)
                 if refused is not None:
                     raise refused from None
                 if not isinstance(exc, FileNotFoundError):
@@ -93,12 +93,13 @@ class RemoteFolder:
 
     def read_text(self, name: str) -> str:
         try:
-            return self.fs.cat_file(f"{self.root}/{name}").decode("utf-8")
+            data = self.fs.cat_file(f"{self.root}/{name}")
         except Exception as exc:
-            refused = self._refused(exc)
+            refused = self.refused(exc)
             if refused is not None:
                 raise refused from None
             raise
+        return data.decode("utf-8")  # a UnicodeDecodeError is the caller's to say (not a JSON file)
 
     def open(self, files: list[str], dtype: type[np.unsignedinteger]) -> RemoteShards:
         itemsize = np.dtype(dtype).itemsize
@@ -134,7 +135,7 @@ class RemoteShards:
                 [self._paths[s] for s in shard], starts, [s + length * size for s in starts], on_error="raise"
             )
         except Exception as exc:
-            refused = self._folder._refused(exc)
+            refused = self._folder.refused(exc)
             if refused is not None:
                 raise refused from None
             raise
