@@ -9,6 +9,7 @@
     dtrain report RUN_DIR                             plots and a summary of a run
     dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
     dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
+    dtrain export RUN_DIR --format hf [--step N]      the weights as a Hugging Face model folder
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
 `python -m dtrain run ...` again in every worker; a worker (torchrun, srun or mpirun set its rank)
@@ -351,6 +352,31 @@ def cmd_generate(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_export(argv: Sequence[str]) -> int:
+    parser = _Parser(
+        prog="dtrain export",
+        description="Write a run's weights as a Hugging Face model folder (config.json, safetensors, tokenizer) "
+        "that transformers' AutoModelForCausalLM.from_pretrained loads.",
+    )
+    parser.add_argument("run_dir", help="a run's run.dir: the built-in gpt or a Hugging Face model")
+    parser.add_argument("--format", required=True, metavar="hf", help="hf: a Hugging Face model folder")
+    parser.add_argument(
+        "--step", type=int, default=None, metavar="N", help="checkpoint step-N instead of the final weights"
+    )
+    parser.add_argument("--out", default=None, metavar="DIR", help="the folder to write (default RUN_DIR/hf)")
+    parser.add_argument(
+        "--max-shard-size",
+        default="",
+        metavar="SIZE",
+        help="weights past this size are split into files with an index (default 50GB, as transformers)",
+    )
+    args = parser.parse_args(argv)
+    from dtrain.commands.export import export
+
+    print(export(args.run_dir, args.format, args.out, args.step, args.max_shard_size))
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "launch": cmd_launch,
@@ -359,6 +385,7 @@ COMMANDS = {
     "report": cmd_report,
     "prepare": cmd_prepare,
     "generate": cmd_generate,
+    "export": cmd_export,
 }
 
 

@@ -77,6 +77,8 @@ def write_final_weights(
     one) and the run says where, exit 2 — never a finished run with nothing to show."""
     error = distributed.rank0_decides(lambda: _write_error(state, path), is_main=is_main)
     if error is None:
+        if checkpointer.config.export == "hf":  # from the file just written: the state is not gathered twice
+            distributed.rank0_decides(lambda: export_at_the_end(path.parent), is_main=is_main)
         return
     if checkpointer.last_saved_step != step:
         try:
@@ -96,6 +98,21 @@ def write_final_weights(
         f"could not write {path} ({error}); the trained state is safe in {checkpointer.store.root}/step-{step}: "
         f"make room (or move what is in the way) and rerun the same command to write the weights"
     )
+
+
+def export_at_the_end(run_dir: Path) -> None:
+    """checkpoint.export = "hf": run.dir/hf from the final weights just written (rank 0). A failure leaves the
+    weights as they are and says how to export them again."""
+    from dtrain.checkpoint.hf_export import export_hf
+
+    try:
+        export_hf(run_dir)
+    except (DtrainError, OSError) as exc:
+        raise DtrainError(
+            f"the run's weights are in {run_dir / 'model.safetensors'}, and their Hugging Face export "
+            f"(checkpoint.export = hf) could not be written ({exc}); export them with: dtrain export {run_dir} "
+            f"--format hf"
+        ) from None
 
 
 def _write_error(state: dict[str, torch.Tensor] | None, path: Path) -> str | None:

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtrain.checkpoint import formats
 from dtrain.checkpoint.metadata import SafeReader
@@ -33,7 +35,17 @@ from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, Position, identity_mi
 from dtrain.checkpoint.store import CheckpointError, describe_failure
 from dtrain.files import fsync_file
 
-__all__ = ["SafeReader", "Staged", "_load_rng", "_save_rng", "load", "read_model_weights", "stage", "write"]
+__all__ = [
+    "SafeReader",
+    "Staged",
+    "_load_rng",
+    "_save_rng",
+    "load",
+    "model_tensor_specs",
+    "read_model_weights",
+    "stage",
+    "write",
+]
 
 TENSORS = "state"
 TRAINER = "trainer.json"
@@ -154,6 +166,20 @@ def read_model_weights(folder: Path, state: dict[str, Any]) -> None:
     target = {f"model/{key}": value for key, value in state.items()} if flat else {"model": state}
     with _one_process_is_intended():
         dcp.load(target, storage_reader=reader, no_dist=True)
+
+
+def model_tensor_specs(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Checkpoint `folder`'s model tensors, name by name (the model's own names), with their full shape
+    and type: read from DCP's metadata alone, so that `read_model_weights` can then read them a few at
+    a time (`dtrain export` never holds the whole model)."""
+    trainer = _read_trainer(folder)
+    metadata = SafeReader(folder / TENSORS).read_metadata().state_dict_metadata
+    prefix = "model/" if formats.of_trainer(trainer, metadata) == formats.FLAT_NAMES else "model."
+    return {
+        key[len(prefix) :]: (meta.size, meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def _read_trainer(folder: Path) -> dict[str, Any]:

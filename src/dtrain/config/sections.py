@@ -404,6 +404,11 @@ class CheckpointConfig(Section):
         above=0,
         max=A_YEAR,
     )
+    export: Literal["none", "hf"] = setting(
+        "none",
+        "hf: at the end of the run also write the final weights as a Hugging Face model folder, run.dir/hf "
+        "(config.json, safetensors, tokenizer), as `dtrain export RUN_DIR --format hf` does.",
+    )
 
 
 def profile_range(text: str) -> tuple[int, int] | None:

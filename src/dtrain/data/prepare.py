@@ -111,6 +111,22 @@ class Bytes:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def as_tokenizers(self) -> Any:
+        """The same tokenizer as a `tokenizers.Tokenizer` (what a Hugging Face folder holds): byte-level,
+        each byte its own token under GPT-2's printable spelling of it, no merges, end-of-text 256."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        spelled, extra = {}, 0
+        for byte in range(256):  # GPT-2's bytes_to_unicode: a byte that is not printable spelled as 256 + n
+            spelled[byte] = chr(byte) if byte in printable else chr(256 + extra)
+            extra += byte not in printable
+        tokenizer = Tokenizer(models.BPE({spelled[b]: b for b in range(256)}, []))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([EOT])  # id 256, the next one
+        return tokenizer
+
 
 def load_tokenizer(folder: str | Path, meta: dict):
     """The tokenizer a token folder was made with: Bytes, or a `tokenizers.Tokenizer`."""

@@ -108,6 +108,32 @@ def _config_file(path: Path) -> str | None:
     return None
 
 
+def _model_file(path: Path) -> str | None:
+    try:
+        described = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        described = None
+    return None if isinstance(described, dict) and described.get("written_by") == "dtrain" else "is not dtrain's"
+
+
+# A Hugging Face folder `dtrain export` writes: the names transformers reads, its weights marked as dtrain's.
+HF_EXPORT_NAMES = (
+    r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"
+)
+
+
+def hf_export_folder(path: Path) -> str | None:
+    """None when `path` is a Hugging Face folder dtrain exported (see `dtrain export`); else what it is."""
+    problem = _entries(path, HF_EXPORT_NAMES)
+    if problem:
+        return problem
+    weights = sorted(path.glob("model*.safetensors"))
+    if not weights or any(_weights_file(w) for w in weights[:1]):
+        return "is not a Hugging Face export dtrain wrote"
+    return None
+
+
 def _lock_file(path: Path) -> str | None:
     return "is not dtrain's lock file" if path.is_symlink() or not path.is_file() else None
 
@@ -118,6 +144,8 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "config.toml": _config_file,
     "metrics.jsonl": _metrics_file,
     "model.safetensors": _weights_file,
+    "model.json": _model_file,  # what model trained: what `dtrain export` needs to write it in another layout
+    "hf": hf_export_folder,  # the weights as a Hugging Face model folder (checkpoint.export = "hf")
     "tensorboard": lambda p: _entries(p, r"events\.out\.tfevents\..+"),
     "checkpoints": lambda p: _entries(p, r"(\.partial-(replaced-)?)?step-\d+"),
     "diagnostics": lambda p: _entries(p, r"(flight-recorder-)?rank-\d+.*"),

@@ -11,6 +11,8 @@ from torch import nn
 from dtrain import distributed, rundir
 from dtrain.checkpoint.store import CheckpointStore
 from dtrain.config import RunConfig
+from dtrain.errors import DtrainError
+from dtrain.models import described
 from dtrain.rundir.lock import RunDirLock
 
 
@@ -18,8 +20,8 @@ class RunDirClaim:
     """Rank 0's hold on run.dir for the life of the run (the other ranks hold nothing, but take part in
     the agreement that rank 0 may go on)."""
 
-    def __init__(self, run_dir: Path, run: RunConfig, is_main: bool):
-        self.run_dir, self.run, self.is_main = run_dir, run, is_main
+    def __init__(self, run_dir: Path, run: RunConfig, is_main: bool, export: str = "none"):
+        self.run_dir, self.run, self.is_main, self.export = run_dir, run, is_main, export
         self.lock = RunDirLock(run_dir)
         self.replaced: list[str] = []  # names of the earlier outputs take() removed
         self.replaced_whose = ""  # whose they were, for the line saying so
@@ -42,7 +44,12 @@ class RunDirClaim:
             earlier = rundir.earlier_outputs(self.run_dir, resuming=resuming, overwrite=fresh, again=again)
             rundir.check_room(self.run_dir, weights_bytes(module), "the final model.safetensors")
             whose = _whose(again, fresh)
+            model = described.describe(module)
+            if self.export == "hf" and described.not_exportable(model):  # said now, not after training
+                raise DtrainError(f"checkpoint.export = hf: {described.not_exportable(model)}")
             rundir.remove(earlier)
+            # What trained, for `dtrain export` later: a Hugging Face model's config, the gpt's options.
+            described.write(self.run_dir, module)
             return whose, [p.name for p in earlier]
 
         self.replaced_whose, self.replaced = distributed.rank0_decides(decide, is_main=self.is_main) or ("", [])

@@ -122,7 +122,7 @@ class Trainer:
             return
         cfg, diagnostics = self.config, self.run_dir / "diagnostics"
         self.session = distributed.start(cfg.distributed, debug=cfg.monitor.debug, diagnostics_dir=diagnostics)
-        self.claim = RunDirClaim(self.run_dir, cfg.run, self.session.is_main)
+        self.claim = RunDirClaim(self.run_dir, cfg.run, self.session.is_main, cfg.checkpoint.export)
         try:
             self._build(self.session)
             self._resume(self.session, self.claim)
