@@ -155,7 +155,7 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "mlruns": lambda p: None if p.is_dir() and not p.is_symlink() else "is not a folder",
     "wandb": lambda p: None if p.is_dir() and not p.is_symlink() else "is not a folder",
 }
-KEPT = ("config.toml", "tokenizer", LOCK)  # rewritten by every run, never "an earlier run's output"
+KEPT = ("config.toml", "model.json", "tokenizer", LOCK)  # rewritten by every run, never "an earlier run's output"
 # An earlier run's hang stacks and flight records: what its rerun (after a hang, 124, or a restart after
 # one) is for finding out; kept unless the user says to replace the earlier run (run.overwrite).
 EVIDENCE = ("diagnostics",)
