@@ -180,6 +180,30 @@ def test_weights_past_the_shard_size_are_sharded_with_an_index_from_pretrained_r
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
+def test_weights_are_read_a_bounded_amount_at_a_time_whatever_the_shard_size(gpt_ddp, tmp_path, monkeypatch):
+    """One file of the whole model (the default 50GB shard size) is still read and written a group of
+    tensors at a time: no read larger than READ_BYTES, but for a single tensor larger than it."""
+    from dtrain.checkpoint import hf_export
+
+    reads: list[int] = []
+    checkpoint = hf_export._checkpoint_weights(gpt_ddp, 8)  # the FSDP-able source: DCP read by names
+    read = checkpoint.read
+
+    def counted(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = read(names)
+        reads.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return tensors
+
+    monkeypatch.setattr(checkpoint, "read", counted)
+    monkeypatch.setattr(hf_export, "_checkpoint_weights", lambda run_dir, step: checkpoint)
+    monkeypatch.setattr(hf_export, "READ_BYTES", 20_000)
+    folder = export(gpt_ddp, tmp_path / "bounded", step=8)
+    largest = 300 * 32 * 4  # the token embedding
+    assert len(reads) > 3 and max(reads) <= max(20_000, largest)
+    assert [p.name for p in folder.glob("model*")] == ["model.safetensors"]
+    assert_same_logits(built_gpt(gpt_ddp, step=8), folder, 300, 32)
+
+
 def test_checkpoint_export_hf_writes_run_dir_hf_at_the_end_and_run_dir_stays_dtrains(gpt_ddp, gpt_fsdp):
     assert (gpt_ddp / "hf" / "config.json").is_file() and (gpt_ddp / "hf" / "tokenizer.json").is_file()
     assert json.loads((gpt_ddp / "model.json").read_text())["kind"] == "gpt"

@@ -96,6 +96,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
 def _checkpoint_weights(run_dir: Path, step: int) -> _Weights:
     from dtrain.checkpoint.tensors import model_tensor_specs, read_model_weights
 
@@ -233,40 +236,69 @@ class _staged:
 
 
 def _write_weights(folder: Path, weights: _Weights, entries: list[Entry], max_bytes: int) -> None:
-    """The tensors in order, a file at a time: each file's tensors read, written, let go. One file
-    (model.safetensors) when they fit in `max_bytes`, else shards and the index transformers reads."""
-    from safetensors.torch import save_file
-
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        if shards[-1] and size + entry.nbytes > max_bytes:  # a tensor larger than the limit: a shard of its own
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.nbytes
+    """The tensors in order: one file (model.safetensors) when they fit in `max_bytes`, else shards and
+    the index transformers reads."""
+    shards = _groups(entries, max_bytes)  # a tensor larger than the limit: a shard of its own
     names = (
         [WEIGHTS]
         if len(shards) == 1
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
     for name, shard in zip(names, shards):
-        read = weights.read([e.source for e in shard if e.source is not None])
-        tensors = {}
-        for entry in shard:
-            if entry.source is None:
-                tensors[entry.name] = torch.zeros(entry.shape, dtype=entry.dtype)
-            else:
-                tensor = read.pop(entry.source)
-                tensors[entry.name] = (tensor.t() if entry.transpose else tensor).contiguous()
-        save_file(tensors, str(folder / name), metadata=dict(rundir.WEIGHTS_MARK))
-        del tensors, read
+        _write_safetensors(folder / name, shard, weights)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(e.nbytes for e in entries)},
             "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard},
         }
         (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+READ_BYTES = 1 << 30  # tensors read at a time: memory stays bounded whatever the shard size
+
+
+def _groups(entries: list[Entry], limit: int) -> list[list[Entry]]:
+    """`entries` in order, cut into runs of at most `limit` bytes (a larger tensor alone)."""
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if groups[-1] and size + entry.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    return groups
+
+
+def _write_safetensors(path: Path, entries: list[Entry], weights: _Weights) -> None:
+    """A safetensors file streamed: its header first (every shape and offset is known before reading a
+    tensor), then the tensors' bytes, read about READ_BYTES at a time and let go once written — never
+    the whole file (up to --max-shard-size) in memory, as safetensors' own `save_file` would hold it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for entry in entries:
+        dtype = _SAFETENSORS_NAMES[entry.dtype]
+        header[entry.name] = {
+            "dtype": dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    header["__metadata__"] = dict(rundir.WEIGHTS_MARK)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format's alignment of the tensors' bytes
+    with open(path, "wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text)
+        for group in _groups(entries, READ_BYTES):
+            read = weights.read([e.source for e in group if e.source is not None])
+            for entry in group:
+                if entry.source is None:
+                    tensor = torch.zeros(entry.shape, dtype=entry.dtype)
+                else:
+                    tensor = read.pop(entry.source)
+                    tensor = tensor.t() if entry.transpose else tensor
+                file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            del read
 
 
 def _write_generation_config(folder: Path, config: Any) -> None:
