@@ -39,9 +39,12 @@ def describe(module: nn.Module) -> dict[str, Any]:
         }
         return {"written_by": "dtrain", "kind": GPT, "options": options}
     if _is_transformers_model(module):
-        config = json.loads(module.config.to_json_string(use_diff=False))  # type: ignore[union-attr,operator]
         # FSDP2 makes the model an instance of a class of its own (FSDPGPT2LMHeadModel): the library's is named.
         cls = next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
+        try:
+            config = json.loads(module.config.to_json_string(use_diff=False))  # type: ignore[union-attr,operator]
+        except (TypeError, ValueError) as exc:  # a config of the user's own that JSON cannot hold: train anyway
+            return {"written_by": "dtrain", "kind": OTHER, "class": f"{cls.__name__} whose config is not JSON ({exc})"}
         return {"written_by": "dtrain", "kind": TRANSFORMERS, "architecture": cls.__name__, "config": config}
     return {"written_by": "dtrain", "kind": OTHER, "class": type(module).__name__}
 
@@ -73,6 +76,10 @@ def read(run_dir: Path) -> dict[str, Any] | None:
 
 def not_exportable(described: dict[str, Any]) -> str | None:
     """Why a model so described has no Hugging Face layout, or None when it has one."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return "a Hugging Face folder is written with transformers, which is not installed: pip install 'dtrain[hf]'"
     if described["kind"] == OTHER:
         return (
             f"the run trained a {described.get('class', 'model')}: export needs the built-in gpt "
