@@ -30,7 +30,7 @@ from dtrain.config.sections import (
     TrainingConfig,
     kind_problem,
 )
-from dtrain.config.settings import coerce, describe, inline, parse_value, tomllib, where
+from dtrain.config.settings import coerce, describe, inline, key_name, parse_value, tomllib, where
 from dtrain.errors import ConfigError
 
 # Old name -> new name. The old one alone still sets the new one, and a note says so; both is refused.
@@ -59,7 +59,10 @@ class Config:
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            section: {key_name(name): value for name, value in values.items()}
+            for section, values in dataclasses.asdict(self).items()
+        }
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -96,7 +99,7 @@ def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def all_keys() -> list[str]:
     """Every `section.key` a config accepts."""
     config = Config()
-    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(config, s))]
+    return [f"{s}.{key_name(f.name)}" for s in SECTIONS for f in dataclasses.fields(getattr(config, s))]
 
 
 def reference_rows() -> list[tuple[str, str, str]]:
@@ -106,7 +109,7 @@ def reference_rows() -> list[tuple[str, str, str]]:
     for s in SECTIONS:
         section = getattr(config, s)
         for f in dataclasses.fields(section):
-            rows.append((f"{s}.{f.name}", inline(getattr(section, f.name)), f.metadata["help"]))
+            rows.append((f"{s}.{key_name(f.name)}", inline(getattr(section, f.name)), f.metadata["help"]))
     return rows
 
 
@@ -277,22 +280,22 @@ def _section(config: Config, name: str, source: str, full_key: str | None = None
 
 
 def _field_names(section: Section) -> list[str]:
-    return [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
+    return [key_name(f.name) for f in dataclasses.fields(section)]  # type: ignore[arg-type]
 
 
 def _assign(section: Section, key: str, value: Any, source: str, raw_text: str | None = None) -> None:
     section_name, _, name = key.partition(".")
     name, _, subkey = name.partition(".")
-    fields_by_name = {f.name: f for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    fields_by_name = {key_name(f.name): f for f in dataclasses.fields(section)}  # type: ignore[arg-type]
     if name not in fields_by_name:
         close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else f"; [{section_name}] has {', '.join(fields_by_name)}"
         raise ConfigError(f"unknown key '{key}' {where(source)}{hint}")
     f = fields_by_name[name]
-    type_ = typing.get_type_hints(type(section))[name]
+    type_ = typing.get_type_hints(type(section))[f.name]
     if subkey:  # a key inside a free table, e.g. model.options.depth=3
         if type_ is not dict:
             raise ConfigError(f"'{key}' {where(source)}: {section_name}.{name} is not a table")
-        getattr(section, name)[subkey] = value
+        getattr(section, f.name)[subkey] = value
         return
-    setattr(section, name, coerce(f"{section_name}.{name}", value, type_, f.metadata, raw_text))
+    setattr(section, f.name, coerce(f"{section_name}.{name}", value, type_, f.metadata, raw_text))

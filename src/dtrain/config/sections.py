@@ -398,6 +398,13 @@ class CheckpointConfig(Section):
         "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
         "must (what --resume sets); no: start fresh, refusing a run.dir that holds checkpoints.",
     )
+    # The TOML key `async` is a Python keyword: the field carries PEP 8's trailing underscore (key_name).
+    async_: bool = setting(
+        False,
+        "Write checkpoints in the background: the state is copied to host memory (pinned on a GPU) "
+        "within the step, then written while training goes on, and sealed once every rank's write "
+        "completed. Holds one host copy of the state. Off by default until measured on a GPU.",
+    )
     preempt_grace_s: float = setting(
         120.0,
         "Seconds workers get after SIGTERM to finish the step and write their checkpoint before torchrun kills them.",

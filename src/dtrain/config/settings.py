@@ -38,6 +38,12 @@ def setting(
     return field(default=default, metadata=meta)
 
 
+def key_name(field_name: str) -> str:
+    """The config key of a section's field: its name, less the trailing underscore PEP 8 gives a
+    name that is a Python keyword (`checkpoint.async` is the field `async_`)."""
+    return field_name.rstrip("_")
+
+
 _FLOAT32_MAX = 3.4028234663852886e38
 A_YEAR = 365 * 24 * 3600  # seconds: no wait a job sets needs more, and clocks overflow far beyond
 
