@@ -3,7 +3,8 @@
 `Checkpointer` is what the trainer talks to; `store` knows the folders, `state` what goes in them,
 `parts` how each named part (model, optimizer, …, and every registered one) is saved and put back,
 `tensors` the writing and reading of them all, `formats` the layouts by number, `pending` the seam
-between writing a checkpoint and sealing it, `manifest` what seals one; `export` the final weights.
+between writing a checkpoint and sealing it, `background` the writing while training goes on
+(`checkpoint.async`), `manifest` what seals one; `export` the final weights.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -48,7 +50,11 @@ class Checkpointer:
         self.store = CheckpointStore(run_dir)
         self.parts = parts
         self.is_main = parts.rank == 0
-        self.last_saved_step: int | None = None
+        self.last_saved_step: int | None = None  # the newest sealed
+        # Where each sealed checkpoint's record goes (the trainer's monitor: metrics.jsonl and the console).
+        self.report: Callable[[dict[str, Any]], None] | None = None
+        self._in_flight: PendingCheckpoint | None = None  # checkpoint.async: the one being written
+        self._background: Any = None  # its BackgroundWriter, from the first background save on
 
     def due(self, step: int, *, last: bool, forced: bool) -> bool:
         """The save policy, in one place (every rank decides alike). After step `step`, a checkpoint is
@@ -57,6 +63,8 @@ class Checkpointer:
         run has one (a rerun would resume from it and train the end again) — never twice for a step."""
         if step == self.last_saved_step:
             return False
+        if self._in_flight is not None and self._in_flight.step == step:
+            return forced  # a stop right after it: `checkpoint` sees it sealed
         every = self.config.every_steps
         scheduled = bool(every) and step % every == 0
         return forced or scheduled or (last and (bool(every) or self.last_saved_step is not None))
@@ -88,15 +96,67 @@ class Checkpointer:
         self.last_saved_step = position.step
         return position
 
+    def checkpoint(self, position: Position, *, wait: bool = False) -> None:
+        """The trainer's checkpoint after step `position.step` (collective), reported once sealed: written
+        and sealed now, or with `checkpoint.async` (unless `wait`: SIGTERM, after the run) copied to host
+        memory now and written in the background. One in flight is finished first — at most one at a time,
+        the wait counted as this checkpoint's blocked time — and if it was this step's, that is all."""
+        began = time.perf_counter()
+        self.finish(position.step)
+        if self.last_saved_step == position.step:
+            return
+        background, writing = bool(self.config.async_) and not wait, time.perf_counter()
+        pending = self.start_save(position, background=background)
+        if background:
+            pending.blocked_s, self._in_flight = time.perf_counter() - began, pending
+            return
+        pending.wait()
+        pending.blocked_s, pending.write_s = time.perf_counter() - began, time.perf_counter() - writing
+        self._said(pending, position.step)
+
+    def poll(self, step: int) -> None:
+        """Report the checkpoint in flight if this rank sees it sealed (not collective: each rank at its own
+        step). A failed one is left for `finish`, where every rank raises it together."""
+        if self._in_flight is not None and self._in_flight.done and self._in_flight.sealed:
+            self.finish(step)
+
+    def finish(self, step: int) -> None:
+        """Wait for the checkpoint in flight, if any, and report it at step `step`; its failure is raised on
+        every rank (every rank calls it at the same step: its thread has agreed the outcome with the others)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.wait()
+            self._said(pending, step)
+
+    def close(self) -> None:
+        """After the run's last checkpoint: the background writes' host buffers let go."""
+        if self._background is not None:
+            self._background.close()
+
+    def _said(self, pending: PendingCheckpoint, step: int) -> None:
+        if self.report is not None:
+            blocked, write = round(pending.blocked_s, 4), round(pending.write_s, 4)
+            name = f"step-{pending.step}"
+            record = {
+                "step": step,
+                "time": time.time(),
+                "checkpoint": name,
+                "checkpoint_background": pending.background,
+            }
+            self.report({**record, "checkpoint_blocked_s": blocked, "checkpoint_write_s": write})
+
     def save(self, position: Position) -> Checkpoint:
-        """Write checkpoint `position.step` and seal it (collective): `start_save(position).wait()`."""
+        """Write checkpoint `position.step` and seal it (collective), after finishing the one in flight:
+        `start_save(position).wait()`."""
+        self.finish(position.step)
         return self.start_save(position).wait()
 
-    def start_save(self, position: Position) -> PendingCheckpoint:
+    def start_save(self, position: Position, background: bool = False) -> PendingCheckpoint:
         """Begin writing checkpoint `position.step` (collective); its `wait()` seals it. A failure on any
         rank leaves the previous checkpoints untouched, removes the partial one and raises on every rank:
         here, or in `wait()`. A part that cannot be saved (a value neither tensor nor JSON) is refused
-        before anything is written."""
+        before anything is written. `background`: the tensors are copied to host memory here and written
+        while training goes on, and the writing thread seals the checkpoint (checkpoint/pending.py)."""
         from dtrain.checkpoint.tensors import stage, write
 
         step = position.step
@@ -121,11 +181,36 @@ class Checkpointer:
         except DtrainError as exc:
             raise self._failed(step, str(exc)) from None
         folder = self.store.partial_path(step)
+        if background:
+            return self._start_in_background(step, folder, staged)
         return PendingCheckpoint(step, completed(lambda: write(folder, staged, self.parts)), partial(self._seal, step))
 
-    def _seal(self, step: int, written: Future[dict[str, Any]]) -> Checkpoint:
-        """Seal checkpoint `step` once every rank's write has completed (collective; rank 0 alone touches
-        the folders): its manifest, the rename into place, the pruning of the oldest."""
+    def _start_in_background(self, step: int, folder: Path, staged: Any) -> PendingCheckpoint:
+        """Write the small files and copy the tensors to host memory now (every rank agreeing they could:
+        the write's collectives must find every rank there), then write the copy in the background."""
+        from dtrain.checkpoint.background import BackgroundWriter, on_gpu
+        from dtrain.checkpoint.tensors import TENSORS, write_files
+
+        if self._background is None:
+            self._background = BackgroundWriter(on_gpu(self.parts.module))
+        writer, failure = self._background, None
+        try:
+            meta = write_files(folder, staged, self.parts)
+            copy = writer.stage(staged.tensors)
+        except Exception as exc:
+            failure = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
+        try:
+            every_rank_raises(failure)
+        except DtrainError as exc:
+            raise self._failed(step, str(exc)) from None
+        written: Future[dict[str, Any]] = Future()
+        tensors = writer.write(copy, folder / TENSORS, no_dist=self.parts.world_size == 1)
+        tensors.add_done_callback(lambda done: _pass_on(done, written, meta))
+        return PendingCheckpoint(step, written, partial(self._seal, step, group=writer.group), background=True)
+
+    def _seal(self, step: int, written: Future[dict[str, Any]], group: Any = None) -> Checkpoint:
+        """Seal checkpoint `step` once every rank's write has completed (collective, on `group`; rank 0
+        alone touches the folders): its manifest, the rename into place, the pruning of the oldest."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         error = None
@@ -143,8 +228,8 @@ class Checkpointer:
                 raise DtrainError(describe_failure(exc)) from None
 
         try:
-            every_rank_raises(error)
-            rank0_decides(commit, is_main=self.is_main)
+            every_rank_raises(error, group)
+            rank0_decides(commit, is_main=self.is_main, group=group)
         except DtrainError as exc:
             raise self._failed(step, str(exc)) from None
         self.last_saved_step = step
@@ -163,6 +248,15 @@ class Checkpointer:
 
 
 T = TypeVar("T")
+
+
+def _pass_on(done: Future[Any], written: Future[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """`written` ends as DCP's write `done` did: with the marker's `meta`, or its exception."""
+    error = done.exception()
+    if error is not None:
+        written.set_exception(error)
+    else:
+        written.set_result(meta)
 
 
 def _as_checkpoint_error(collective: Callable[[], T]) -> T:

@@ -36,6 +36,7 @@ from dtrain.checkpoint.store import CheckpointError, describe_failure
 from dtrain.files import fsync_file
 
 __all__ = [
+    "TENSORS",
     "SafeReader",
     "Staged",
     "_load_rng",
@@ -45,6 +46,7 @@ __all__ = [
     "read_model_weights",
     "stage",
     "write",
+    "write_files",
 ]
 
 TENSORS = "state"
@@ -94,6 +96,12 @@ def write(folder: Path, staged: Staged, parts: Parts) -> dict[str, Any]:
     # "<part>.<key>") and writes each once: DDP's replicas are deduplicated, FSDP's shards written by their owners.
     with _one_process_is_intended():
         dcp.save(staged.tensors, storage_writer=FileSystemWriter(folder / TENSORS), no_dist=parts.world_size == 1)
+    return write_files(folder, staged, parts)
+
+
+def write_files(folder: Path, staged: Staged, parts: Parts) -> dict[str, Any]:
+    """Write this rank's files beside DCP's: each part's own (the RNG states, taken now from the live
+    generators) and, on rank 0, trainer.json. Returns the marker's metadata."""
     for part in staged.parts.values():
         part.write_files(folder)
     if parts.rank == 0:

@@ -19,19 +19,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, by rank (a collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, by rank (a collective, on `group`: the default group unless given)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    _let_gloo_release_python_objects()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    _let_gloo_release_python_objects(group)
     return gathered
 
 
-def first_error(error: str | None) -> str | None:
+def first_error(error: str | None, group: Any = None) -> str | None:
     """Every rank learns the lowest rank's error message, if any rank has one (a collective)."""
-    return next((e for e in gather_objects(error) if e is not None), None)
+    return next((e for e in gather_objects(error, group) if e is not None), None)
 
 
 def hostnames() -> list[str]:
@@ -45,24 +45,24 @@ def hostnames() -> list[str]:
     return names
 
 
-def from_rank0(value):
-    """Rank 0's `value` on every rank (a collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def from_rank0(value, group: Any = None):
+    """Rank 0's `value` on every rank (a collective, on `group`: one of every rank, rank 0 its first)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
-    _let_gloo_release_python_objects()
+    dist.broadcast_object_list(box, src=0, group=group)
+    _let_gloo_release_python_objects(group)
     return box[0]
 
 
-def _let_gloo_release_python_objects() -> None:
+def _let_gloo_release_python_objects(group: Any = None) -> None:
     # gloo's worker threads drop the Python-owned tensors of an object collective after it completes,
     # and need the GIL for that. If the process group were destroyed right then (the main thread
     # joins those threads holding the GIL) both would wait forever. A barrier lets them finish first.
-    dist.barrier()
+    dist.barrier(group=group)
 
 
-def rank0_decides(decide: Callable[[], T], *, is_main: bool | None = None) -> T | None:
+def rank0_decides(decide: Callable[[], T], *, is_main: bool | None = None, group: Any = None) -> T | None:
     """Run `decide` on rank 0 alone and return its answer on every rank (None elsewhere when it has
     none); a `DtrainError` it raises is raised on every rank, with rank 0's message (a collective).
 
@@ -76,14 +76,14 @@ def rank0_decides(decide: Callable[[], T], *, is_main: bool | None = None) -> T 
             answer = (decide(), None)
         except DtrainError as exc:
             answer = (None, str(exc))
-    value, error = from_rank0(answer)
+    value, error = from_rank0(answer, group)
     if error is not None:
         raise DtrainError(error)
     return value
 
 
-def every_rank_raises(error: str | None) -> None:
+def every_rank_raises(error: str | None, group: Any = None) -> None:
     """Raise on every rank the lowest rank's error message, if any rank has one (a collective)."""
-    error = first_error(error)
+    error = first_error(error, group)
     if error is not None:
         raise DtrainError(error)

@@ -35,6 +35,8 @@ TB_TAGS = {
     "comm_ms": "time/comm_ms",
     "optimizer_ms": "time/optimizer_ms",
     "mfu": "perf/mfu",
+    "checkpoint_blocked_s": "checkpoint/blocked_s",  # how long training waited for the checkpoint
+    "checkpoint_write_s": "checkpoint/write_s",  # from its write's start to its seal
 }
 
 
@@ -97,7 +99,7 @@ class Monitor:
         for tracker in self._trackers:
             tracker.log(record)
         line = format_record(record)
-        if self._bar is not None and "eval_loss" not in record:
+        if self._bar is not None and "loss" in record:
             self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress
         else:
             self.info(line)
@@ -169,6 +171,14 @@ CONSOLE_FORMATS = [
 
 
 def format_record(record: dict[str, Any]) -> str:
+    if "checkpoint" in record:  # one line per sealed checkpoint (Checkpointer.report)
+        blocked, write = record["checkpoint_blocked_s"], record["checkpoint_write_s"]
+        how = (
+            f"in the background in {write:.2f} s; training blocked {blocked:.3f} s"
+            if record.get("checkpoint_background")
+            else f"in {write:.2f} s; training blocked {blocked:.2f} s"
+        )
+        return f"checkpoint {record['checkpoint']} written {how}"
     parts = [f"step {record['step']}", f"epoch {record['epoch']}"]
     for key, fmt in CONSOLE_FORMATS:
         if record.get(key) is not None:

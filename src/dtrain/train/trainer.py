@@ -180,6 +180,7 @@ class Trainer:
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
+        self.checkpointer.report = self.monitor.log  # each sealed checkpoint's times
 
     def fit(self) -> dict[str, Any]:
         """Train for `training.epochs` (or `max_steps`); the last logged metrics. SIGTERM: a checkpoint, `Preempted`."""
@@ -245,13 +246,14 @@ class Trainer:
                 preempted = stopping.between_log_steps(self.step)
             preempted, planned_stop = preempted and self.step < total, stopping.step_reached(self.step, total)
             if self.checkpointer.due(self.step, last=self.step == total, forced=preempted or planned_stop):
-                self._save_checkpoint()
+                self._save_checkpoint(background=not preempted)  # with checkpoint.async; a stop waits for it
             if preempted:
                 self._left_together = True
                 raise stopping.preempted(self.step, self.checkpointer.store.root)
             if self.step < total and planned_stop:
                 break
             last = self._end_epoch_if_done(last)
+        self.checkpointer.finish(self.step)  # the one written in the background sealed before the run ends
         if self.step < total:  # at training.stop_at_step
             self.monitor.info(stopping.stopped_early(self.step, first_step))
         else:  # model.safetensors, or the trained state kept and the run saying where (see export)
@@ -339,6 +341,7 @@ class Trainer:
         if record.get("skipped_steps"):
             resume.unschedule(self.scheduler, record["skipped_steps"])
         self.monitor.log(record)
+        self.checkpointer.poll(self.step)  # a checkpoint written in the background, reported once sealed
         if "param_bytes" in record:
             self.monitor.info(memory.describe(record, memory.peak_bytes(self.session.device)[1]))
         if not math.isfinite(record["loss"]):  # every rank has the same record: all stop here together
@@ -346,15 +349,14 @@ class Trainer:
             raise advice.diverged(what, self.step, self.config, store)
         return record, stop
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, background: bool = False) -> None:
         assert self.metrics and self.timer and self.checkpointer and self.monitor
         with self.metrics.paused():
             self.timer.progress.at("checkpoint")
             # Never a checkpoint of weights that are not finite: a rerun would resume into them.
             advice.refuse_a_diverged_state(self.module, self.step, self.config, self.checkpointer.store)
             position = Position(self.step, self.epoch, unscheduled_skips=int(self.metrics.skipped_sum.item()))
-            checkpoint = self.checkpointer.save(position)
-        self.monitor.info(f"checkpoint {checkpoint.name} written")
+            self.checkpointer.checkpoint(position, wait=not background)  # reported to the monitor once sealed
 
     def _out_of_memory(self, when: str, exc: BaseException) -> DtrainError:
         assert self.session is not None
