@@ -107,7 +107,13 @@ class CheckpointStore:
         complete = self.complete()
         doomed = complete[: max(0, len(complete) - max(keep, 1))]
         for checkpoint in doomed:
-            shutil.rmtree(checkpoint.path, ignore_errors=True)
+            # Out of the way first, by a rename: a deletion cut short (a kill while a checkpoint written in
+            # the background prunes) leaves a partial folder the next start removes, never a step-N without
+            # its marker that nothing would ever remove.
+            doomed_path = self.root / f"{PARTIAL_PREFIX}pruned-{checkpoint.name}"
+            shutil.rmtree(doomed_path, ignore_errors=True)
+            checkpoint.path.rename(doomed_path)
+            shutil.rmtree(doomed_path, ignore_errors=True)
         return doomed
 
     def check_intact(self, checkpoint: Checkpoint) -> dict[str, Any]:
