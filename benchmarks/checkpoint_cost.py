@@ -1,12 +1,17 @@
 """What a checkpoint of the main model costs, and how long a restart takes to get back to training.
 
-    python benchmarks/checkpoint_cost.py            # 2 processes, 5 saves, 3 restarts
+    python benchmarks/checkpoint_cost.py            # 2 processes, 5 saves, 3 restarts, 3 GPT pairs
 
 - save / load: the guide's 784→1024→10 MLP with SGD momentum, 2 processes on gloo; seconds per
   checkpoint written and read back (median), and its bytes on disk.
 - restart: `dtrain run ... --nproc 2 --max-restarts 1` where one worker SIGKILLs itself mid-run; the
   time from its death to the first training step the restarted group completes (torchrun noticing,
   stopping the survivor, restarting both, rendezvous, imports, resume from the newest checkpoint).
+- blocked: a ~100M-parameter built-in GPT (12 layers of 768, 16,384 tokens) with AdamW, ~1.2 GB a
+  checkpoint, 2 processes: how long training is blocked per checkpoint written synchronously (the
+  whole write, fsynced and sealed) and with `checkpoint.async` (the copy to host memory and the small
+  files; the write then goes on in the background, its time also shown), taken in turns (sync, async,
+  sync, async, ...), medians and their ratio.
 """
 
 from __future__ import annotations
@@ -87,6 +92,45 @@ def save_load_worker(out: Path, saves: int) -> None:
     dist.destroy_process_group()
 
 
+def blocked_worker(out: Path, pairs: int) -> None:
+    """Checkpoints of a ~100M-parameter GPT with AdamW state, synchronous and in the background in turns:
+    the records each one reports (training blocked, write time)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain.checkpoint import Checkpointer, Parts, Position
+    from dtrain.config import CheckpointConfig
+    from dtrain.distributed import from_rank0
+    from dtrain.models.gpt import GPT
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16384, block_size=256, n_layer=12, n_head=12, n_embd=768)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randint(0, 16384, (1, 16))).float().mean().backward()  # AdamW's state: one step (alike on every rank)
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    parts = Parts(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), rank, world, 1)
+    run_dir = Path(tempfile.mkdtemp(prefix="ckpt-gpt-", dir=out.parent)) if rank == 0 else None
+    config = CheckpointConfig(keep=1)
+    config.async_ = True
+    checkpointer = Checkpointer(config, Path(from_rank0(str(run_dir))), parts)
+    records: list[dict] = []
+    checkpointer.report = records.append
+    for i in range(2 * pairs):
+        dist.barrier()
+        checkpointer.checkpoint(Position(i + 1, 0), wait=i % 2 == 0)  # A (synchronous), B (background), ...
+        checkpointer.finish(i + 1)  # B's write sealed before the next A begins: they never overlap
+    if rank == 0:
+        newest = checkpointer.store.newest()
+        assert newest is not None
+        size = sum(p.stat().st_size for p in newest.path.rglob("*") if p.is_file())
+        params = sum(p.numel() for p in model.parameters())
+        out.write_text(json.dumps({"records": records, "bytes": size, "params": params}))
+    dist.destroy_process_group()
+
+
 def measure_restart(tmp: Path) -> float:
     note = tmp / "died_at"
     run_dir = tmp / "run"
@@ -126,13 +170,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--restarts", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gpt-pairs", type=int, default=3, help="GPT checkpoints, synchronous and async, each")
+    parser.add_argument("--worker", choices=["save-load", "blocked"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker == "save-load":
         save_load_worker(args.out, args.saves)
         return
-    cost = run_workers(__file__, "--worker", "--saves", str(args.saves))
+    if args.worker == "blocked":
+        blocked_worker(args.out, args.gpt_pairs)
+        return
+    cost = run_workers(__file__, "--worker", "save-load", "--saves", str(args.saves))
+    gpt = run_workers(__file__, "--worker", "blocked", "--gpt-pairs", str(args.gpt_pairs))
     restarts = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.restarts):
@@ -147,6 +196,31 @@ def main() -> None:
     print(
         f"| worker killed → restarted group trains again | {statistics.median(restarts):.1f} s "
         f"({', '.join(f'{r:.1f}' for r in restarts)}) |"
+    )
+    print()
+    print(gpt_table(gpt))
+
+
+def gpt_table(gpt: dict) -> str:
+    """The GPT's rows: training blocked per checkpoint, synchronous and async, medians and their ratio."""
+    sync = [r["checkpoint_blocked_s"] for r in gpt["records"] if not r["checkpoint_background"]]
+    background = [r for r in gpt["records"] if r["checkpoint_background"]]
+    blocked = [r["checkpoint_blocked_s"] for r in background]
+    written = [r["checkpoint_write_s"] for r in background]
+
+    def runs(values: list[float]) -> str:
+        return f"{statistics.median(values):.3f} s ({', '.join(f'{v:.3f}' for v in values)})"
+
+    return "\n".join(
+        [
+            f"| what ({gpt['params'] / 1e6:.0f}M-parameter GPT, AdamW, 2 processes) | median (runs) |",
+            "| --- | ---: |",
+            f"| checkpoint size on disk | {gpt['bytes'] / 1e9:.2f} GB |",
+            f"| training blocked per checkpoint, synchronous | {runs(sync)} |",
+            f"| training blocked per checkpoint, `checkpoint.async` | {runs(blocked)} |",
+            f"| async / synchronous | {statistics.median(blocked) / statistics.median(sync):.2f}× |",
+            f"| its write in the background, until sealed | {runs(written)} |",
+        ]
     )
 
 
