@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dtrain.checkpoint import CheckpointStore
 from dtrain.checkpoint.store import MARKER
-from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, metrics, ok, run, train_lines, weights
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, metrics, mount_tmpfs, ok, run, train_lines, unmount, weights
 
 # 2 processes, 20 steps of a 2M-parameter model with AdamW (24 MB a checkpoint: each write takes a moment).
 JOB = [
@@ -151,3 +151,40 @@ def test_two_ranks_killed_or_stopped_during_background_writes_resume_to_the_same
     assert f"resumed from {root / f'step-{stopped}'}" in resumed.stderr
     a, b = weights(synchronous), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_background_write_that_fills_the_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """The write fails in the background (ENOSPC in DCP's thread): the partial folder is removed, and the
+    run stops with the synchronous save's line when it next waits for the write (here, its end)."""
+    disk = tmp_path / "small"
+    if not mount_tmpfs(disk, "3m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        job = [*SMALL_DISK_JOB, f"run.dir={disk / 'run'}", "checkpoint.async=true"]
+        result = dtrain("run", *job)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("dtrain: error:") == 1
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("dtrain: error: could not write checkpoint step-8") and "step-4 is intact" in last
+        assert "No space left on device" in last
+        store = CheckpointStore(disk / "run")
+        assert [c.step for c in store.complete()] == [4] and not list(store.root.glob(".partial-*"))
+        store.check_intact(store.newest())
+    finally:
+        unmount(disk)
+
+
+# ~1.1 MB a checkpoint (weights + momentum): the first fits in 3 MB, the second does not.
+SMALL_DISK_JOB = [
+    "examples/digits_mlp.toml",
+    "data.name=synthetic",
+    "data.num_samples=200",
+    "data.input_shape=[12]",
+    "model.name=faults:wide_linear",
+    "model.options={width = 9000}",
+    "training.epochs=4",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep=1",
+    "--nproc",
+    "2",
+]
