@@ -120,18 +120,19 @@ class Checkpointer:
         if self._in_flight is not None and self._in_flight.done and self._in_flight.sealed:
             self.finish(step)
 
-    def finish(self, step: int) -> None:
+    def finish(self, step: int, last: bool = False) -> None:
         """Wait for the checkpoint in flight, if any, and report it at step `step`; its failure is raised on
-        every rank (every rank calls it at the same step: its thread has agreed the outcome with the others)."""
+        every rank (every rank calls it at the same step: its thread has agreed the outcome with the others).
+        `last`: no background write follows (training is over), its host copy is let go."""
         pending, self._in_flight = self._in_flight, None
-        if pending is not None:
-            pending.wait()
-            self._said(pending, step)
-
-    def close(self) -> None:
-        """After the run's last checkpoint: the background writes' host buffers let go."""
-        if self._background is not None:
-            self._background.close()
+        try:
+            if pending is not None:
+                pending.wait()
+                self._said(pending, step)
+        finally:
+            if last and self._background is not None:
+                self._background.close()
+                self._background = None
 
     def _said(self, pending: PendingCheckpoint, step: int) -> None:
         if self.report is not None:

@@ -253,7 +253,7 @@ class Trainer:
             if self.step < total and planned_stop:
                 break
             last = self._end_epoch_if_done(last)
-        self.checkpointer.finish(self.step)  # the one written in the background sealed before the run ends
+        self.checkpointer.finish(self.step, last=True)  # a checkpoint written in the background sealed first
         if self.step < total:  # at training.stop_at_step
             self.monitor.info(stopping.stopped_early(self.step, first_step))
         else:  # model.safetensors, or the trained state kept and the run saying where (see export)
