@@ -142,6 +142,8 @@ class DistributedConfig(Section):
 # (floating-point values, any shape: a model's shape rules are its builder's). And the built-in models'
 # options, with types and bounds checked as keys' are: a size below 1 or a fraction outside [0, 1]
 # builds nothing that trains.
+# Hugging Face model folders as model.name: the class config.json names, or AutoModelForCausalLM.
+HF_PREFIXES = ("hf:", "hf-causal-lm:")
 MODEL_TAKES = {"mlp": "features", "cnn": "features", "gpt": "tokens"}
 DATA_GIVES = {"digits": "features", "mnist": "features", "synthetic": "features", "tokens": "tokens"}
 _SIZE = {"min": 1, "max": 2**20}
@@ -182,7 +184,16 @@ class ModelConfig(Section):
     name: str = setting(
         "mlp",
         "mlp (the guide's Linear-ReLU-Linear), cnn, gpt (a decoder-only transformer for "
-        "data.name=tokens), or a factory 'package.module:function'.",
+        "data.name=tokens), a factory 'package.module:function', or a local Hugging Face model "
+        "folder: 'hf:PATH' (the class its config.json names in architectures) or 'hf-causal-lm:PATH' "
+        "(AutoModelForCausalLM), built from its config.json and started from its weights.",
+    )
+    init_from: str = setting(
+        "",
+        "Weights a new run starts from: a .safetensors file, a Hugging Face model folder, a dtrain "
+        "run.dir (its model.safetensors, else its newest checkpoint) or a checkpoints/step-N folder. "
+        "Names and shapes must match the model. A resumed run continues from its checkpoint instead. "
+        "Under FSDP each process reads only its shard.",
     )
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
     options: dict = setting(
@@ -197,10 +208,29 @@ class ModelConfig(Section):
     )
 
     def check(self) -> None:
+        self.init_from = os.path.expanduser(self.init_from)
+        if self.hf_folder is not None:
+            if not self.hf_folder:
+                raise ConfigError(f"model.name = '{self.name}' names no folder; give 'hf:PATH' or 'hf-causal-lm:PATH'")
+            return
         _check_builtin_or_factory("model.name", self.name, tuple(MODEL_TAKES))
         for key, (type_, bounds) in MODEL_OPTIONS.get(self.name, {}).items():
             if key in self.options:  # the others are the builder's to refuse (the launcher builds it first)
                 self.options[key] = coerce(f"model.options.{key}", self.options[key], type_, bounds, None)
+
+    @property
+    def hf_folder(self) -> str | None:
+        """The folder of a Hugging Face model (`hf:PATH`, `hf-causal-lm:PATH`), else None."""
+        prefix = next((p for p in HF_PREFIXES if self.name.startswith(p)), None)
+        return None if prefix is None else os.path.expanduser(self.name[len(prefix) :])
+
+    @property
+    def weights(self) -> tuple[str, str] | None:
+        """The weights a new run starts from, as (the key that names them, the path): model.init_from,
+        else a Hugging Face model's own folder; None for the model's own initialisation."""
+        if self.init_from:
+            return "model.init_from", self.init_from
+        return ("model.name", self.hf_folder) if self.hf_folder else None
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         problem = parallel.blocks.compiler_problem(targets[0][0])
         if problem:
             raise ConfigError(problem)
+    models.check_weights(config.model)
     data.fetch(config)
     data.check(config, world_size)
     sample = data.sample_of(config)

@@ -93,6 +93,19 @@ def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -
             build(config, input_shape, num_classes)
 
 
+def check_weights(config: ModelConfig) -> None:
+    """Refuse, before any worker starts, a Hugging Face model folder that is none, and weights to start
+    from (model.init_from, the folder's) that dtrain cannot read, each in one line."""
+    from dtrain.checkpoint.init_from import resolve
+
+    if config.hf_folder is not None:
+        from dtrain.models import hf
+
+        hf.check_folder(config.name, config.hf_folder)
+    if config.weights is not None:
+        resolve(*config.weights)
+
+
 def check_kind(config: Config, kind: str | None) -> None:
     """Refuse a built-in model for data whose samples are not of the kind it takes. For a built-in data set
     the config's checks know it; a factory's tells only once built (data.kind_of)."""
@@ -104,6 +117,10 @@ def check_kind(config: Config, kind: str | None) -> None:
 def build(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The model `config` names, sized for the data."""
     offered = {"input_shape": input_shape, "num_classes": num_classes}
+    if config.hf_folder is not None:
+        from dtrain.models import hf
+
+        return hf.build(config.name, config.hf_folder, config.options)
     if config.name in BUILT_IN:
         config.check()  # its options' types and bounds, for a config built in code too
         if config.name == "mlp":

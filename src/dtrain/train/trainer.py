@@ -24,7 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from dtrain import data, distributed, parallel
-from dtrain.checkpoint import Checkpointer, Parts, Position, export
+from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
 from dtrain.config import Config, profile_range
 from dtrain.data import TensorDict, TrainBatches
 from dtrain.data.sampler import train_sampler
@@ -179,6 +179,8 @@ class Trainer:
             position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, total)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
+        elif cfg.model.weights:  # a new run: model.init_from, or a Hugging Face folder's own weights
+            init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
         self.checkpointer.report = self.monitor.log  # each sealed checkpoint's times
 
