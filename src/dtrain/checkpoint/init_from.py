@@ -13,9 +13,8 @@ read of a checkpoint), so no rank ever holds the whole model's weights a second 
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,40 +104,78 @@ def load_into(module: Any, source: Source, is_main: bool) -> None:
     from dtrain import distributed
 
     state = module.state_dict()
+    names = distributed.rank0_decides(lambda: check_fit(module, source), is_main=is_main)
+    assert names is not None
     if source.checkpoint is not None:
-        stored, flat = _checkpoint_names(source.checkpoint)
-        distributed.rank0_decides(lambda: _fit(source, state, stored), is_main=is_main)
-        _read_checkpoint(source.checkpoint, state, flat)
+        _read_checkpoint(source.checkpoint, state, _checkpoint_names(source.checkpoint)[1])
         return
-    from safetensors import safe_open
+    where = {name: file for file in map(_Safetensors, source.files) for name in file.entries}
+    with torch.no_grad():
+        for name, tensor in state.items():
+            where[names[name]].read_into(names[name], tensor)
 
-    with contextlib.ExitStack() as held:
-        opened = [held.enter_context(safe_open(str(f), framework="pt")) for f in source.files]
-        where = {name: handle for handle in opened for name in handle.keys()}  # noqa: SIM118 — not a dict
-        names = distributed.rank0_decides(
-            lambda: _fit(source, state, {n: tuple(h.get_slice(n).get_shape()) for n, h in where.items()}, opened),
-            is_main=is_main,
+
+def check_fit(module: Any, source: Source) -> dict[str, str]:
+    """Each of `module`'s state-dict names → the stored name it reads from, or a one-line refusal; from
+    the files' headers alone. The launcher asks it of a built-in model built on the meta device."""
+    if source.checkpoint is not None:
+        return _fit(source, module, _checkpoint_names(source.checkpoint)[0])
+    files = [_Safetensors(path) for path in source.files]
+    shapes = {name: tuple(entry["shape"]) for file in files for name, entry in file.entries.items()}
+    aliases = {n: v for file in files for n, v in file.metadata.items() if v in shapes and n not in shapes}
+    return _fit(source, module, shapes, aliases)
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64"}
+_DTYPES |= {"I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class _Safetensors:
+    """One safetensors file, read a tensor's rows at a time with plain reads: safetensors' own
+    `get_slice` reads the whole tensor to cut a slice from it, and a rank of a sharded model must read
+    only its own rows. The format: an 8-byte header length, a JSON header (each tensor's dtype, shape
+    and byte offsets, `__metadata__`), then the bytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        self.start = 8 + size
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, dict[str, Any]] = header
+
+    def read_into(self, name: str, tensor: Any) -> None:
+        """Copy this rank's part of tensor `name` into `tensor`: all of it, or under FSDP (a DTensor)
+        only the rows (or blocks) this rank holds."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        full = tuple(self.entries[name]["shape"])
+        local, shape, offset = tensor, full, (0,) * len(full)
+        if isinstance(tensor, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local = tensor.to_local()
+            shape, offset = compute_local_shape_and_global_offset(full, tensor.device_mesh, tensor.placements)
+        if not local.numel():  # an uneven split leaves the last ranks some tensors' empty shards
+            return
+        entry = self.entries[name]
+        dtype = getattr(torch, _DTYPES.get(entry["dtype"], ""), None)
+        if dtype is None:
+            raise ConfigError(f"{self.path}: tensor {name} is of dtype {entry['dtype']}, which dtrain cannot read")
+        row = math.prod(full[1:]) * dtype.itemsize  # bytes per index of the first dimension
+        first, count = (offset[0], shape[0]) if full else (0, 1)
+        data = bytearray(count * row)
+        with self.path.open("rb") as f:
+            f.seek(self.start + entry["data_offsets"][0] + first * row)
+            if f.readinto(data) != len(data):
+                raise ConfigError(f"{self.path} ends inside tensor {name}: the file is cut short")
+        rows = (
+            torch.frombuffer(data, dtype=dtype).view(count, *full[1:]) if full else torch.frombuffer(data, dtype=dtype)
         )
-        assert names is not None
-        with torch.no_grad():
-            for name, tensor in state.items():
-                _copy(where[names[name]], names[name], tensor)
-
-
-def _copy(handle: Any, stored: str, tensor: Any) -> None:
-    """Copy this rank's part of one stored tensor into `tensor`: all of it, or under FSDP (a DTensor)
-    only the rows (or blocks) this rank holds — a slice read from the file, never the whole tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
-        tensor.copy_(handle.get_tensor(stored))
-        return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = tensor.to_local()
-    if local.numel():  # an uneven split leaves the last ranks some tensors' empty shards
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        local.copy_(handle.get_slice(stored)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
+        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+        local.copy_(rows[(slice(None), *inner)] if full else rows.view(()))
 
 
 def _checkpoint_names(folder: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
@@ -174,13 +211,17 @@ def _read_checkpoint(folder: Path, state: dict[str, Any], flat: bool) -> None:
 
 
 def _fit(
-    source: Source, state: dict[str, Any], stored: dict[str, tuple[int, ...]], opened: Sequence[Any] = ()
+    source: Source,
+    module: Any,
+    stored: dict[str, tuple[int, ...]],
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Each state-dict name → the stored name it reads from; or a one-line refusal naming the first
     missing, unexpected and differently shaped tensors. A tensor tied under several names (GPT-2's
     lm_head and wte) may be stored under any one of them: dtrain's model.safetensors notes the others
     in its metadata (as safetensors' `save_model` does), Hugging Face's leaves them out."""
-    aliases = {n: v for h in opened for n, v in (h.metadata() or {}).items() if v in stored and n not in stored}
+    aliases = aliases or {}
+    state = module.state_dict(keep_vars=True)
     ties = _tie_groups(state)
     names: dict[str, str] = {}
     missing, shapes = [], []
@@ -213,14 +254,9 @@ def _first(items: list[str]) -> str:
 
 
 def _tie_groups(state: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """Each name of a tensor the state dict holds under several names → its other names (state_dict()
-    detaches: a tied parameter shows as two tensors over one storage)."""
-    from torch.distributed.tensor import DTensor
-
-    by_storage: dict[tuple, list[str]] = {}
+    """Each name of a tensor the state dict (kept as the module's own tensors) holds under several names
+    → its other names: a tied parameter is one object under two names."""
+    by_object: dict[int, list[str]] = {}
     for name, tensor in state.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.numel():
-            where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape))
-            by_storage.setdefault(where, []).append(name)
-    return {n: tuple(o for o in group if o != n) for group in by_storage.values() if len(group) > 1 for n in group}
+        by_object.setdefault(id(tensor), []).append(name)
+    return {n: tuple(o for o in group if o != n) for group in by_object.values() if len(group) > 1 for n in group}

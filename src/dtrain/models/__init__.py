@@ -87,10 +87,15 @@ BUILT_IN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
     """Refuse, before any worker starts, a built-in model that its options cannot build for data of this
     shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
-    C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once."""
+    C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once; and
+    weights to start from whose names or shapes are not the model's (read from the files' headers)."""
     if config.name in BUILT_IN:
         with torch.device("meta"):
-            build(config, input_shape, num_classes)
+            model = build(config, input_shape, num_classes)
+        if config.weights is not None:
+            from dtrain.checkpoint import init_from
+
+            init_from.check_fit(model, init_from.resolve(*config.weights))
 
 
 def check_weights(config: ModelConfig) -> None:

@@ -1,0 +1,229 @@
+"""Starting a run from weights: `model.init_from` (a model.safetensors, a run.dir, a checkpoint) and
+`model.name = "hf:PATH"` / `"hf-causal-lm:PATH"` (a Hugging Face model folder), on 2 real processes.
+
+A run's first logged loss is the loss of its first global batch under the weights it started from: each
+test computes that loss itself, from the file, and compares."""
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtrain.checkpoint import init_from
+from dtrain.checkpoint.export import load_weights
+from dtrain.checkpoint.tensors import read_model_weights
+from dtrain.data.prepare import prepare_text
+from dtrain.data.sampler import GlobalOrderSampler
+from dtrain.data.tokens import TokenWindows
+from dtrain.errors import ConfigError
+from dtrain.models.gpt import GPT
+from helpers import WORKERS, dtrain, ok, torchrun, train_lines
+
+BATCH, BLOCK = 4, 32  # per process; 2 processes
+OPTIONS = "model.options={n_layer = 2, n_head = 2, n_embd = 32}"
+
+
+def job(tokens: Path, run_dir: Path, *args: str) -> list[str]:
+    return [
+        "run",
+        "examples/gpt_stdlib.toml",
+        f"data.path={tokens}",
+        f"data.block_size={BLOCK}",
+        f"data.batch_size={BATCH}",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "scheduler.warmup_steps=2",
+        f"run.dir={run_dir}",
+        "--nproc",
+        "2",
+        *args,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens") / "json"
+    prepare_text([str(Path(sysconfig.get_paths()["stdlib"]) / "json")], str(out), tokenizer="bytes")
+    return out
+
+
+@pytest.fixture(scope="module")
+def first(tokens, tmp_path_factory):
+    """A built-in GPT trained 20 steps (checkpoints at 10 and 20), whose weights the others start from."""
+    run_dir = tmp_path_factory.mktemp("first") / "run"
+    ok(dtrain(*job(tokens, run_dir, OPTIONS, "training.max_steps=20", "checkpoint.every_steps=10")))
+    return run_dir
+
+
+def first_batch_loss(tokens: Path, logits_of) -> float:
+    """The mean cross-entropy over the first global batch (2 processes × BATCH windows: the same batch
+    whatever the world size), every position scored against its next token, as dtrain's loss is."""
+    windows = TokenWindows(str(tokens), "train", BLOCK)
+    order = GlobalOrderSampler(len(windows), 0, 1, 2 * BATCH, seed=0).shard(0)[: 2 * BATCH]
+    x, y = (torch.stack(part) for part in zip(*(windows[int(i)] for i in order), strict=True))
+    with torch.no_grad():
+        return F.cross_entropy(logits_of(x.long(), y.long()).flatten(0, 1), y.long().flatten()).item()
+
+
+def gpt_loss(tokens: Path, state: dict[str, torch.Tensor]) -> float:
+    model = GPT(vocab_size=257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
+    model.load_state_dict(state)
+    return first_batch_loss(tokens, lambda x, _y: model(x))
+
+
+def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint(first, tokens, tmp_path):
+    ended = train_lines(first)
+    # FSDP: each rank reads its rows of the file.
+    ok(dtrain(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=2", "distributed.strategy=fsdp",
+                   f"model.init_from={first / 'model.safetensors'}")))  # fmt: skip
+    began = train_lines(tmp_path / "b")[0]["loss"]
+    assert began == pytest.approx(gpt_loss(tokens, load_weights(first / "model.safetensors")), abs=1e-4)
+    # It continues where the first run ended (its last step's loss, on another batch), far from a new start.
+    assert abs(began - ended[-1]["loss"]) < 0.3 and began < ended[0]["loss"] - 1.0
+    # DDP from a checkpoint folder: DCP reads it, whatever wrote it.
+    step10 = first / "checkpoints" / "step-10"
+    ok(dtrain(*job(tokens, tmp_path / "c", OPTIONS, "training.max_steps=1", f"model.init_from={step10}")))
+    state = GPT(vocab_size=257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32).state_dict()
+    read_model_weights(step10, state)
+    assert train_lines(tmp_path / "c")[0]["loss"] == pytest.approx(gpt_loss(tokens, state), abs=1e-4)
+
+
+def test_what_a_path_names_is_told_apart(first, tmp_path):
+    assert init_from.resolve("k", str(first)).files == (first / "model.safetensors",)
+    assert init_from.resolve("k", str(first / "checkpoints/step-10")).checkpoint == first / "checkpoints/step-10"
+    shutil.copytree(first / "checkpoints", tmp_path / "unfinished" / "checkpoints")  # no final weights yet
+    assert init_from.resolve("k", str(tmp_path / "unfinished")).checkpoint == (
+        tmp_path / "unfinished" / "checkpoints" / "step-20"
+    )
+    for bad, why in [
+        (tmp_path / "nothing", "does not exist"),
+        (first / "metrics.jsonl", "is not a safetensors file"),
+        (tmp_path, "is a folder with no weights dtrain can read"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            init_from.resolve("model.init_from", str(bad))
+
+
+def tiny_hf(kind: str, folder: Path):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    if kind == "gpt2":
+        config = GPT2Config(
+            vocab_size=257, n_positions=2 * BLOCK, n_embd=32, n_layer=2, n_head=2, bos_token_id=256, eos_token_id=256
+        )
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(
+            vocab_size=257,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2 * BLOCK,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return model
+
+
+# GPT-2's dropout (0.1 in its config) turned off through model.options, as from_pretrained(**kwargs) would.
+NO_DROPOUT = "model.options={resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0}"
+
+
+@pytest.mark.parametrize(
+    "kind, name, options, strategy",
+    [("gpt2", "hf-causal-lm", NO_DROPOUT, "ddp"), ("llama", "hf", "model.options={}", "fsdp")],
+    ids=["gpt2", "llama"],
+)
+def test_a_hugging_face_folder_trains_from_its_own_weights(tokens, tmp_path, kind, name, options, strategy):
+    from transformers import AutoModelForCausalLM
+
+    tiny_hf(kind, tmp_path / "hf")
+    run_dir = tmp_path / "run"
+    ok(dtrain(*job(tokens, run_dir, f"model.name={name}:{tmp_path / 'hf'}", options,
+                   "training.max_steps=2", f"distributed.strategy={strategy}")))  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+
+    def own_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The model's own loss given labels (it shifts them itself) over the window and its next token
+        # equals dtrain's scoring of every position against the next token.
+        ids = torch.cat([x, y[:, -1:]], dim=1)
+        loss = loaded(input_ids=ids, labels=ids).loss.item()
+        logits = loaded(input_ids=x).logits
+        assert F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() == pytest.approx(loss, abs=1e-5)
+        return logits
+
+    assert train_lines(run_dir)[0]["loss"] == pytest.approx(first_batch_loss(tokens, own_loss), abs=1e-4)
+    trained = load_weights(run_dir / "model.safetensors")
+    own = loaded.state_dict()
+    assert trained.keys() == own.keys()  # the model's own names
+    assert not all(torch.equal(trained[k], own[k]) for k in own)  # and it trained
+
+
+def test_fsdp_ranks_read_only_their_share(tmp_path):
+    import init_shards
+
+    from dtrain.checkpoint.export import save_final_weights
+
+    torch.manual_seed(0)
+    weights = tmp_path / "model.safetensors"
+    save_final_weights(init_shards.model().state_dict(), weights)
+    size = weights.stat().st_size
+    ok(torchrun(WORKERS / "init_shards.py", weights, tmp_path))
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert facts["same"]  # the shards hold the file's tensors
+        assert 0.95 * size < facts["whole"]["read"] < 1.1 * size  # the count sees a whole read
+        assert 0.45 * size < facts["sharded"]["read"] < 0.6 * size, facts  # each rank reads its half
+        assert facts["sharded"]["peak"] < 0.25 * size, facts  # and never holds the model whole
+
+
+def assert_one_line(result, message: str, run_dir: Path) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not run_dir.exists()
+
+
+def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path):
+    weights = first / "model.safetensors"
+    # A built-in model: at launch, from the file's header and the model built on the meta device.
+    result = dtrain(*job(tokens, tmp_path / "r", "model.options={n_layer = 3, n_head = 2, n_embd = 16}",
+                         "training.max_steps=1", f"model.init_from={weights}"))  # fmt: skip
+    message = (
+        f"model.init_from = '{weights}' does not fit the model: missing h.2.ln_1.weight, h.2.attn.c_attn.weight, "
+        f"h.2.attn.c_proj.weight (and 3 more); shape of wte.weight [257, 32] in the file, [257, 16] in the model, "
+    )
+    assert_one_line(result, message, tmp_path / "r")
+    # A Hugging Face model: in the workers, rank 0 deciding for every rank; said once.
+    tiny_hf("gpt2", tmp_path / "hf")
+    result = dtrain(*job(tokens, tmp_path / "r", f"model.name=hf-causal-lm:{tmp_path / 'hf'}", "model.options={}",
+                         "training.max_steps=1", f"model.init_from={weights}"))  # fmt: skip
+    message = (
+        # (transformer.wte.weight is not missing: it is tied to lm_head.weight, which the file holds)
+        f"model.init_from = '{weights}' does not fit the model: missing transformer.wpe.weight, "
+        f"transformer.h.0.ln_1.weight, transformer.h.0.ln_1.bias (and 24 more); unexpected h.0.attn.c_attn.weight, "
+    )
+    assert_one_line(result, message, tmp_path / "r")
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("model.init_from={tmp}/nothing", "model.init_from = '{tmp}/nothing' does not exist"),
+        ("model.init_from={tokens}/meta.json", "model.init_from = '{tokens}/meta.json' is not a safetensors file"),
+        ("model.name=hf:{tmp}", "model.name = 'hf:{tmp}': {tmp} holds no config.json"),
+        ("model.name=hf:{tmp}/nothing", "model.name = 'hf:{tmp}/nothing': {tmp}/nothing is not a folder"),
+    ],
+)
+def test_paths_that_hold_no_weights_are_refused_at_launch(tokens, tmp_path, setting, message):
+    fill = {"tmp": tmp_path, "tokens": tokens}
+    result = dtrain(*job(tokens, tmp_path / "r", OPTIONS, setting.format(**fill)))
+    assert_one_line(result, message.format(**fill), tmp_path / "r")
