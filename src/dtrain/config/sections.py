@@ -197,7 +197,9 @@ class ModelConfig(Section):
     )
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
     options: dict = setting(
-        {}, "Keyword arguments passed to a model factory (gpt: n_layer, n_head, n_embd, block_size, dropout, bias)."
+        {},
+        "Keyword arguments passed to a model factory (gpt: n_layer, n_head, n_embd, block_size, dropout, bias); "
+        "for an hf: model, config.json values to override (as from_pretrained(PATH, **options)).",
     )
     blocks: list[str] = setting(
         [],
