@@ -6,9 +6,14 @@
     a checkpoint folder (step-N)           its model part, from DCP
 
 `resolve` says which, without torch: the launcher refuses a path that is none of them before any worker
-starts. `load_into` puts the weights into the model in every worker, after the strategy has spread it.
-Under FSDP each rank reads only its own rows of each tensor (a safetensors slice, or DCP's resharding
-read of a checkpoint), so no rank ever holds the whole model's weights a second time.
+starts (and, for a built-in model built on the meta device, weights whose names or shapes differ:
+`check_fit`, from the files' headers). `load_into` puts the weights into the model in every worker, in
+place, at the start of a new run (a resumed run reads its checkpoint instead).
+
+It loads after the strategy has spread the model, not before: under FSDP a parameter is then a DTensor
+holding only this rank's rows, and each rank reads just those rows from the file (or DCP reads them from
+a checkpoint, resharding), so no rank ever reads or holds the whole model's weights. Loaded before
+`fully_shard`, every rank would read every tensor whole. Under DDP every rank holds (and reads) it all.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ class Trainer:
             position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, total)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-        elif cfg.model.weights:  # a new run: model.init_from, or a Hugging Face folder's own weights
+        elif cfg.model.weights:  # a new run: init_from's (or an hf: folder's) weights, into the spread model
             init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
         self.checkpointer.report = self.monitor.log  # each sealed checkpoint's times
