@@ -59,23 +59,28 @@ def first(tokens, tmp_path_factory):
     return run_dir
 
 
-def first_batch_loss(tokens: Path, logits_of) -> float:
+def first_batch_loss(tokens: Path, logits_of, step: int = 1) -> float:
     """The mean cross-entropy over the first global batch (2 processes × BATCH windows: the same batch
-    whatever the world size), every position scored against its next token, as dtrain's loss is."""
+    whatever the world size), or that of another `step`, every position scored against its next token,
+    as dtrain's loss is."""
     windows = TokenWindows(str(tokens), "train", BLOCK)
-    order = GlobalOrderSampler(len(windows), 0, 1, 2 * BATCH, seed=0).shard(0)[: 2 * BATCH]
+    order = GlobalOrderSampler(len(windows), 0, 1, 2 * BATCH, seed=0).shard(0)[(step - 1) * 2 * BATCH :][: 2 * BATCH]
     x, y = (torch.stack(part) for part in zip(*(windows[int(i)] for i in order), strict=True))
     with torch.no_grad():
         return F.cross_entropy(logits_of(x.long(), y.long()).flatten(0, 1), y.long().flatten()).item()
 
 
-def gpt_loss(tokens: Path, state: dict[str, torch.Tensor]) -> float:
-    model = GPT(vocab_size=257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
+def gpt() -> GPT:
+    return GPT(vocab_size=257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
+
+
+def gpt_loss(tokens: Path, state: dict[str, torch.Tensor], step: int = 1) -> float:
+    model = gpt()
     model.load_state_dict(state)
-    return first_batch_loss(tokens, lambda x, _y: model(x))
+    return first_batch_loss(tokens, lambda x, _y: model(x), step)
 
 
-def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint(first, tokens, tmp_path):
+def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint_a_resumed_one_not(first, tokens, tmp_path):
     ended = train_lines(first)
     # FSDP: each rank reads its rows of the file.
     ok(dtrain(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
@@ -84,12 +89,17 @@ def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint(first, to
     assert began == pytest.approx(gpt_loss(tokens, load_weights(first / "model.safetensors")), abs=1e-4)
     # It continues where the first run ended (its last step's loss, on another batch), far from a new start.
     assert abs(began - ended[-1]["loss"]) < 0.3 and began < ended[0]["loss"] - 1.0
-    # DDP from a checkpoint folder: DCP reads it, whatever wrote it.
-    step10 = first / "checkpoints" / "step-10"
-    ok(dtrain(*job(tokens, tmp_path / "c", OPTIONS, "training.max_steps=1", f"model.init_from={step10}")))
-    state = GPT(vocab_size=257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32).state_dict()
-    read_model_weights(step10, state)
-    assert train_lines(tmp_path / "c")[0]["loss"] == pytest.approx(gpt_loss(tokens, state), abs=1e-4)
+    # DDP from a checkpoint folder: DCP reads it, whatever wrote it. Stopped after a step...
+    step10, run_c = first / "checkpoints" / "step-10", tmp_path / "c"
+    c_job = job(tokens, run_c, OPTIONS, "training.max_steps=2")
+    ok(dtrain(*c_job, "training.stop_at_step=1", f"model.init_from={step10}"))
+    read_model_weights(step10, state := gpt().state_dict())
+    assert train_lines(run_c)[0]["loss"] == pytest.approx(gpt_loss(tokens, state), abs=1e-4)
+    # ... and resumed: its checkpoint governs, and model.init_from (other weights now) is not read.
+    ok(dtrain(*c_job, f"model.init_from={first / 'model.safetensors'}"))
+    read_model_weights(run_c / "checkpoints" / "step-1", state := gpt().state_dict())
+    assert [line["step"] for line in train_lines(run_c)] == [1, 2]
+    assert train_lines(run_c)[1]["loss"] == pytest.approx(gpt_loss(tokens, state, step=2), abs=1e-4)
 
 
 def test_what_a_path_names_is_told_apart(first, tmp_path):
