@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from dtrain.checkpoint import init_from
 from dtrain.checkpoint.export import load_weights
@@ -233,9 +234,15 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path
         ("model.init_from={tokens}/meta.json", "model.init_from = '{tokens}/meta.json' is not a safetensors file"),
         ("model.name=hf:{tmp}", "model.name = 'hf:{tmp}': {tmp} holds no config.json"),
         ("model.name=hf:{tmp}/nothing", "model.name = 'hf:{tmp}/nothing': {tmp}/nothing is not a folder"),
+        ("model.name=hf:{tmp}/small", "model.name = 'hf:{tmp}/small' has a vocabulary of 100 tokens and the data's"),
+        ("model.name=hf:{tmp}/config", "model.name = 'hf:{tmp}/config': {tmp}/config holds no model.safetensors"),
     ],
 )
 def test_paths_that_hold_no_weights_are_refused_at_launch(tokens, tmp_path, setting, message):
     fill = {"tmp": tmp_path, "tokens": tokens}
+    for folder in ("small", "config"):  # config.json alone, or with its weights
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100}))
+    save_file({"wte.weight": torch.zeros(100, 8)}, tmp_path / "small" / "model.safetensors")
     result = dtrain(*job(tokens, tmp_path / "r", OPTIONS, setting.format(**fill)))
     assert_one_line(result, message.format(**fill), tmp_path / "r")

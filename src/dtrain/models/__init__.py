@@ -89,6 +89,10 @@ def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -
     shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
     C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once; and
     weights to start from whose names or shapes are not the model's (read from the files' headers)."""
+    if config.hf_folder is not None:
+        from dtrain.models import hf
+
+        hf.check_vocabulary(config.name, hf.check_folder(config.name, config.hf_folder), config.options, num_classes)
     if config.name in BUILT_IN:
         with torch.device("meta"):
             model = build(config, input_shape, num_classes)
@@ -106,7 +110,7 @@ def check_weights(config: ModelConfig) -> None:
     if config.hf_folder is not None:
         from dtrain.models import hf
 
-        hf.check_folder(config.name, config.hf_folder)
+        hf.check_folder(config.name, config.hf_folder, weights=not config.init_from)
     if config.weights is not None:
         resolve(*config.weights)
 

@@ -28,8 +28,9 @@ from torch import nn
 from dtrain.errors import ConfigError
 
 
-def check_folder(name: str, folder: str) -> dict[str, Any]:
-    """The folder's config.json, or a one-line refusal (the launcher's, before any worker starts)."""
+def check_folder(name: str, folder: str, weights: bool = False) -> dict[str, Any]:
+    """The folder's config.json, or a one-line refusal (the launcher's, before any worker starts); with
+    `weights`, the folder must hold them too (model.init_from names none other)."""
     path = Path(folder) / "config.json"
     if not Path(folder).is_dir():
         raise ConfigError(f"model.name = '{name}': {folder} is not a folder; give a local Hugging Face model folder")
@@ -45,7 +46,23 @@ def check_folder(name: str, folder: str) -> dict[str, Any]:
         raise ConfigError(
             f"model.name = '{name}': {path} names no model_type; give a folder written by save_pretrained"
         )
+    if weights and not any((Path(folder) / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(
+            f"model.name = '{name}': {folder} holds no model.safetensors (nor model.safetensors.index.json); "
+            f"give a folder written by save_pretrained, or weights in model.init_from"
+        )
     return config
+
+
+def check_vocabulary(name: str, config: dict[str, Any], options: dict[str, Any], num_classes: int) -> None:
+    """Refuse a model whose vocabulary (config.json's vocab_size, or model.options') is smaller than the
+    data's: its embedding would be indexed past its end in the first step of every worker."""
+    vocab = options.get("vocab_size", config.get("vocab_size"))
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < num_classes:
+        raise ConfigError(
+            f"model.name = '{name}' has a vocabulary of {vocab} tokens and the data's has {num_classes} "
+            f"(meta.json); train it on data made with its own tokenizer"
+        )
 
 
 def build(name: str, folder: str, options: dict[str, Any]) -> nn.Module:
