@@ -31,6 +31,10 @@ from dtrain.errors import ConfigError
 def check_folder(name: str, folder: str, weights: bool = False) -> dict[str, Any]:
     """The folder's config.json, or a one-line refusal (the launcher's, before any worker starts); with
     `weights`, the folder must hold them too (model.init_from names none other)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"model.name = '{name}' needs transformers: pip install 'dtrain[hf]'")
     path = Path(folder) / "config.json"
     if not Path(folder).is_dir():
         raise ConfigError(f"model.name = '{name}': {folder} is not a folder; give a local Hugging Face model folder")
