@@ -236,13 +236,19 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path
         ("model.name=hf:{tmp}/nothing", "model.name = 'hf:{tmp}/nothing': {tmp}/nothing is not a folder"),
         ("model.name=hf:{tmp}/small", "model.name = 'hf:{tmp}/small' has a vocabulary of 100 tokens and the data's"),
         ("model.name=hf:{tmp}/config", "model.name = 'hf:{tmp}/config': {tmp}/config holds no model.safetensors"),
+        (
+            "model.init_from={weights} run.overwrite=true",  # run.dir: the first run's own
+            "model.init_from = '{weights}' is inside run.dir, whose outputs run.overwrite=true deletes",
+        ),
     ],
 )
-def test_paths_that_hold_no_weights_are_refused_at_launch(tokens, tmp_path, setting, message):
-    fill = {"tmp": tmp_path, "tokens": tokens}
+def test_paths_that_hold_no_weights_are_refused_at_launch(first, tokens, tmp_path, setting, message):
+    fill = {"tmp": tmp_path, "tokens": tokens, "weights": first / "model.safetensors"}
     for folder in ("small", "config"):  # config.json alone, or with its weights
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100}))
     save_file({"wte.weight": torch.zeros(100, 8)}, tmp_path / "small" / "model.safetensors")
-    result = dtrain(*job(tokens, tmp_path / "r", OPTIONS, setting.format(**fill)))
+    run_dir = first if "overwrite" in setting else tmp_path / "r"
+    result = dtrain(*job(tokens, run_dir, OPTIONS, *setting.format(**fill).split()))
     assert_one_line(result, message.format(**fill), tmp_path / "r")
+    assert (first / "model.safetensors").is_file()

@@ -122,6 +122,17 @@ def validate(config: Config) -> None:
             "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
             "from a checkpoint: choose one"
         )
+    weights = config.model.weights
+    if weights and config.run.overwrite and _inside(weights[1], config.run.dir):
+        raise ConfigError(
+            f"{weights[0]} = '{weights[1]}' is inside run.dir, whose outputs run.overwrite=true deletes before "
+            f"a new run reads them; copy the weights out of {config.run.dir} first, or give another run.dir"
+        )
+
+
+def _inside(path: str, folder: str) -> bool:
+    resolved = Path(path).expanduser().resolve()
+    return Path(folder).expanduser().resolve() in (resolved, *resolved.parents)
 
 
 def check_model_fits_data(config: Config) -> None:
