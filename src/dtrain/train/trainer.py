@@ -295,8 +295,7 @@ class Trainer:
         shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            # Gradients are averaged across processes only on the last micro-batch; the others just
-            # add into the local gradients.
+            # Gradients are averaged across processes on the last micro-batch only; the others add locally.
             self.strategy.sync_gradients(i == last)
             with self.precision.autocast():
                 loss = shares.loss(i, batch)
@@ -306,8 +305,7 @@ class Trainer:
         if metrics.after_backward(self.module):  # the first step's: its gradients measured once
             self.strategy.after_first_backward()
         if scaler.is_enabled():
-            # fp16: true gradients before clipping, and (on the device) whether GradScaler skips
-            # this step because they overflowed.
+            # fp16: true gradients before clipping, and (on the device) whether GradScaler skips an overflow.
             scaler.unscale_(optimizer)
             found_inf = self.precision.found_inf(optimizer)
             if found_inf is not None:  # None: no gradient at all (GradScaler.step says so next)
