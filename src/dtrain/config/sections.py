@@ -55,6 +55,15 @@ class RunConfig(Section):
             raise ConfigError(
                 f"run.dir = {self.dir!r} holds a NUL character, which no path can; e.g. run.dir=runs/first"
             )
+        if objstore.is_url(self.dir):
+            # Not yet: a checkpoint on a store needs its COMPLETE.json written last and a lease for a lock
+            # (objstore and rundir.lease are the parts built so far). Refused in one line rather than
+            # written as a local folder named "s3:" or half to the store.
+            raise ConfigError(
+                f"run.dir = '{objstore.without_credentials(self.dir)}': object storage is not supported for "
+                f"run.dir yet (data.path reads token data from it); give a local folder and copy it to the "
+                f"store afterwards"
+            )
         # A path the shell did not expand (run.dir=~/runs/x is one argument, not an assignment): expand it,
         # rather than make a folder called "~" in the current one.
         self.dir = os.path.expanduser(self.dir)
