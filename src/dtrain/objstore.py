@@ -7,6 +7,11 @@ S3, boto's environment variables `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` /
 
 fsspec (which torch already installs) and s3fs (the `s3` extra) are imported only when a URL is used.
 Shared by every stage that reads or writes a URL (token data today; run.dir's checkpoints next).
+
+The write side: an object store has no rename and no append, but one PUT is atomic (a reader sees the
+whole old object or the whole new one), so `write_bytes` is what `files.atomic_write_text` is for a
+local path. Its conditional forms (`if_absent`, `if_etag`: S3's If-None-Match / If-Match) are what a
+lease is taken and renewed with: of two writers racing, exactly one wins, the other gets `Conflict`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 class StorageError(DtrainError):
     """An object store that refuses the URL, its bucket or the credentials, or a protocol not installed."""
+
+
+class Conflict(StorageError):
+    """A conditional write lost: the object exists (`if_absent`) or changed since it was read (`if_etag`)."""
 
 
 def is_url(path: object) -> bool:
@@ -118,3 +127,85 @@ def _exists(fs: Any, path: str) -> bool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+def _conditions(url: str, if_absent: bool, if_etag: str | None) -> dict[str, str]:
+    """The PUT's preconditions, as s3fs passes them to S3; refused for a protocol that has none (a
+    lease on it could be taken twice)."""
+    if not (if_absent or if_etag):
+        return {}
+    if protocol(url) not in ("s3", "s3a"):
+        raise StorageError(
+            f"'{url}': conditional writes (a lease) need an S3-compatible store; {protocol(url)}:// has none"
+        )
+    return {"mode": "create"} if if_absent else {"IfMatch": if_etag or ""}
+
+
+def write_bytes(url: str, data: bytes, key: str, *, if_absent: bool = False, if_etag: str | None = None) -> str:
+    """Write the object `url` in one PUT (atomic: readers see all of it or none); its ETag ("" where the
+    store gives none). `if_absent`: only if no object is there; `if_etag`: only if it is still the one
+    with that ETag — else `Conflict`. A store's refusal is one line naming `key`."""
+    fs, path = filesystem(url, key)
+    try:
+        out = fs.pipe_file(path, data, **_conditions(url, if_absent, if_etag))
+    except (FileExistsError, OSError) as exc:
+        if (if_absent or if_etag) and _precondition_failed(exc):
+            raise Conflict(f"'{url}' was written by someone else meanwhile") from None
+        raise refusal(exc, url, key, fs, path) or exc from None
+    return _etag(out)
+
+
+def read_bytes(url: str, key: str) -> tuple[bytes, str]:
+    """(the object's bytes, its ETag as read). FileNotFoundError when there is none; a store's
+    refusal is one line naming `key`. The ETag is asked first, so a write between the two makes a
+    later `if_etag` write fail rather than pass on stale bytes."""
+    fs, path = filesystem(url, key)
+    try:
+        fs.invalidate_cache(path)
+        etag = str(fs.info(path).get("ETag", ""))
+        return fs.cat_file(path), etag
+    except Exception as exc:
+        raise refusal(exc, url, key, fs, path) or exc from None
+
+
+def listing(url: str, key: str) -> dict[str, int]:
+    """Every object under the prefix `url` (one recursive listing, never cached): its name relative to
+    the prefix, and its size. {} for a prefix with nothing under it."""
+    fs, path = filesystem(url, key)
+    root = path.rstrip("/")
+    try:
+        fs.invalidate_cache(root)
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:
+        raise refusal(exc, url, key, fs, path) or exc from None
+    return {
+        name[len(root) + 1 :]: int(info.get("size") or 0)
+        for name, info in sorted(found.items())
+        if name.startswith(root + "/") and info.get("type") != "directory"
+    }
+
+
+def remove(urls: list[str], key: str) -> None:
+    """Delete the objects `urls`, in this order (an object already gone is no error): callers order
+    them so that what makes a prefix count (a COMPLETE.json) goes first."""
+    for url in urls:
+        fs, path = filesystem(url, key)
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise refusal(exc, url, key, fs, path) or exc from None
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    # s3fs: If-None-Match failing is FileExistsError; If-Match failing an OSError(EINVAL) caused by boto's
+    # ClientError with the code PreconditionFailed (412).
+    cause = getattr(exc.__cause__, "response", None) or {}
+    return isinstance(exc, FileExistsError) or cause.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
+
+
+def _etag(put_response: Any) -> str:
+    return str(put_response.get("ETag", "")) if isinstance(put_response, dict) else ""
