@@ -35,3 +35,16 @@ def s3(tmp_path_factory):
     server = S3Server.start(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_here(s3, monkeypatch):
+    """The S3 server for code in this test's own process: boto's environment set, and fsspec's cached
+    filesystems forgotten before and after (one made with other credentials is never reused)."""
+    import s3fs
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -7,28 +7,16 @@ import pytest
 from dtrain import objstore
 
 
-@pytest.fixture
-def store(s3, monkeypatch):
-    """boto's environment for the server, and fsspec's cached filesystems forgotten (each test's own)."""
-    import s3fs
-
-    for name, value in s3.env.items():
-        monkeypatch.setenv(name, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield s3
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
-def test_an_object_written_is_read_back_with_its_etag(store):
-    url = store.url("objstore/plain/a.json")
+def test_an_object_written_is_read_back_with_its_etag(s3_here):
+    url = s3_here.url("objstore/plain/a.json")
     etag = objstore.write_bytes(url, b'{"a": 1}', "run.dir")
     assert objstore.read_bytes(url, "run.dir") == (b'{"a": 1}', etag) and etag
     with pytest.raises(FileNotFoundError):
-        objstore.read_bytes(store.url("objstore/plain/none.json"), "run.dir")
+        objstore.read_bytes(s3_here.url("objstore/plain/none.json"), "run.dir")
 
 
-def test_of_two_conditional_writers_exactly_one_wins(store):
-    url = store.url("objstore/cond/lease.json")
+def test_of_two_conditional_writers_exactly_one_wins(s3_here):
+    url = s3_here.url("objstore/cond/lease.json")
     first = objstore.write_bytes(url, b"first", "run.dir", if_absent=True)
     with pytest.raises(objstore.Conflict):  # If-None-Match: it is there now
         objstore.write_bytes(url, b"second", "run.dir", if_absent=True)
@@ -38,8 +26,8 @@ def test_of_two_conditional_writers_exactly_one_wins(store):
     assert objstore.read_bytes(url, "run.dir") == (b"renewed", renewed)
 
 
-def test_a_listing_is_recursive_uncached_and_relative_and_removal_keeps_order(store):
-    prefix = store.url("objstore/list")
+def test_a_listing_is_recursive_uncached_and_relative_and_removal_keeps_order(s3_here):
+    prefix = s3_here.url("objstore/list")
     assert objstore.listing(prefix, "run.dir") == {}
     for name, data in [("checkpoints/step-2/a.distcp", b"xx"), ("checkpoints/step-2/COMPLETE.json", b"{}")]:
         objstore.write_bytes(f"{prefix}/{name}", data, "run.dir")
@@ -49,17 +37,17 @@ def test_a_listing_is_recursive_uncached_and_relative_and_removal_keeps_order(st
     }
     objstore.write_bytes(f"{prefix}/metrics.jsonl", b"{}\n", "run.dir")  # seen at once: no stale cache
     assert "metrics.jsonl" in objstore.listing(prefix, "run.dir")
-    before = len(store.requests())
+    before = len(s3_here.requests())
     objstore.remove(
         [f"{prefix}/checkpoints/step-2/COMPLETE.json", f"{prefix}/checkpoints/step-2/a.distcp", f"{prefix}/gone"],
         "run.dir",
     )
-    deletes = [path for method, path, _ in store.requests()[before:] if method == "DELETE"]
+    deletes = [path for method, path, _ in s3_here.requests()[before:] if method == "DELETE"]
     assert [d.rsplit("/", 1)[-1] for d in deletes] == ["COMPLETE.json", "a.distcp", "gone"]
     assert objstore.listing(prefix, "run.dir") == {"metrics.jsonl": 3}
 
 
-def test_a_missing_bucket_and_refused_credentials_are_one_line(store, monkeypatch):
+def test_a_missing_bucket_and_refused_credentials_are_one_line(s3_here, monkeypatch):
     with pytest.raises(
         objstore.StorageError, match=r"^run\.dir = 's3://no-such-bucket/x/a': bucket 'no-such-bucket' does not exist"
     ):
@@ -69,6 +57,6 @@ def test_a_missing_bucket_and_refused_credentials_are_one_line(store, monkeypatc
 
     s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(objstore.StorageError) as refused:
-        objstore.write_bytes(store.url("objstore/creds/a"), b"x", "run.dir")
+        objstore.write_bytes(s3_here.url("objstore/creds/a"), b"x", "run.dir")
     assert "refused these credentials" in str(refused.value) and "wrong" not in str(refused.value)
     assert len(str(refused.value).splitlines()) == 1
