@@ -97,12 +97,12 @@ class RemoteCheckpointStore:
             raise CheckpointError(f"{exc} (as read from {self._object(step, '')})") from None
         return checkpoint
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest), each
-        COMPLETE.json first."""
+    def prune(self, keep: int, everything: bool = False) -> list[int]:
+        """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest, unless
+        `everything`: a run told to start afresh), each COMPLETE.json first."""
         prefixes = self._prefixes()
         complete = sorted(step for step, objects in prefixes.items() if MARKER in objects)
-        doomed = complete[: max(0, len(complete) - max(keep, 1))]
+        doomed = complete if everything else complete[: max(0, len(complete) - max(keep, 1))]
         for step in doomed:
             others = sorted(name for name in prefixes[step] if name != MARKER)
             objstore.remove([self._object(step, name) for name in (MARKER, *others)], KEY)

@@ -26,7 +26,10 @@ class Section:
 @dataclass(slots=True)
 class RunConfig(Section):
     dir: str = setting(
-        "runs/dtrain", "Where the run writes config.toml, metrics.jsonl, TensorBoard events and model.safetensors."
+        "runs/dtrain",
+        "Where the run writes config.toml, metrics.jsonl, TensorBoard events, checkpoints and model.safetensors: "
+        "a folder, or s3://bucket/prefix (staged in a local cache folder and kept equal to the store; "
+        "credentials from boto's environment).",
     )
     seed: int = setting(
         0, "Seeds model init, the data order (as DistributedSampler(seed=...)) and synthetic data.", min=0
@@ -55,14 +58,17 @@ class RunConfig(Section):
             raise ConfigError(
                 f"run.dir = {self.dir!r} holds a NUL character, which no path can; e.g. run.dir=runs/first"
             )
-        if objstore.is_url(self.dir):
-            # Not yet: a checkpoint on a store needs its COMPLETE.json written last and a lease for a lock
-            # (objstore and rundir.lease are the parts built so far). Refused in one line rather than
-            # written as a local folder named "s3:" or half to the store.
+        if objstore.credentials_in(self.dir):  # it would be written into config.toml and the logs
             raise ConfigError(
-                f"run.dir = '{objstore.without_credentials(self.dir)}': object storage is not supported for "
-                f"run.dir yet (data.path reads token data from it); give a local folder and copy it to the "
-                f"store afterwards"
+                f"run.dir = '{objstore.without_credentials(self.dir)}' carries a password in the URL; give "
+                f"credentials through the store's environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a "
+                f"profile) and only the URL here"
+            )
+        if objstore.is_url(self.dir) and objstore.protocol(self.dir) not in ("s3", "s3a"):
+            # Its lock is a lease object taken with a conditional write, which only S3's protocol offers.
+            raise ConfigError(
+                f"run.dir = '{self.dir}': a run.dir on object storage must be on an S3-compatible store "
+                f"(s3://bucket/prefix); use a local folder for {objstore.protocol(self.dir)}://"
             )
         # A path the shell did not expand (run.dir=~/runs/x is one argument, not an assignment): expand it,
         # rather than make a folder called "~" in the current one.

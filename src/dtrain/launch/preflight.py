@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain import checkpoint, data, distributed, models, parallel, rundir
+from dtrain import checkpoint, data, distributed, models, objstore, parallel, rundir
 from dtrain.config import Config, check_model_fits_data
 from dtrain.errors import ConfigError
 from dtrain.launch import gpus as devices
@@ -16,6 +16,7 @@ from dtrain.observe.tracker_servers import check_servers
 from dtrain.observe.trackers import check_installed
 from dtrain.parallel.ddp_comm import check_comm_hook
 from dtrain.rundir.lock import RunDirLock
+from dtrain.rundir.mirror import fetch_for_launcher
 from dtrain.train.amp import precision_problem
 from dtrain.train.speed import cpu_bf16_note
 
@@ -25,6 +26,8 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     say instead of starting any (a finished run rerun: nothing to train), or None."""
     check_model_fits_data(config)
     run_dir = Path(config.run.dir)
+    if objstore.is_url(config.run.dir):  # the store checked, and its run.dir fetched to a staging folder
+        run_dir = fetch_for_launcher(config.run.dir, config.checkpoint.keep, world_size == local_world_size)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
     trackers = [t for t in config.monitor.trackers if t != "tensorboard"]

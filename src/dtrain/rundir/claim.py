@@ -3,26 +3,39 @@ forgotten again by a new run that trained nothing, released at the end."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from dtrain import distributed, rundir
+from dtrain import distributed, objstore, rundir
 from dtrain.checkpoint.store import CheckpointStore
-from dtrain.config import RunConfig
+from dtrain.config import CheckpointConfig, RunConfig
 from dtrain.errors import DtrainError
 from dtrain.models import described
+from dtrain.rundir.lease import RunDirLease
 from dtrain.rundir.lock import RunDirLock
+from dtrain.rundir.mirror import Mirror
 
 
 class RunDirClaim:
     """Rank 0's hold on run.dir for the life of the run (the other ranks hold nothing, but take part in
     the agreement that rank 0 may go on)."""
 
-    def __init__(self, run_dir: Path, run: RunConfig, is_main: bool, export: str = "none"):
-        self.run_dir, self.run, self.is_main, self.export = run_dir, run, is_main, export
-        self.lock = RunDirLock(run_dir)
+    def __init__(self, run_dir: Path, run: RunConfig, is_main: bool, checkpoint: CheckpointConfig | None = None):
+        checkpoint = checkpoint or CheckpointConfig()  # export: what to check now; keep: how many on a store
+        self.run_dir, self.run, self.is_main, self.export = run_dir, run, is_main, checkpoint.export
+        self.lock = RunDirLock(run_dir)  # for a URL: on its staging folder (one run per folder here too)
+        # run.dir on an object store: `run_dir` is its local staging folder, kept equal to the store by
+        # the mirror, and the lock there is a lease object (see rundir/mirror.py, rundir/lease.py).
+        self.mirror = Mirror(run.dir, run_dir, checkpoint.keep) if objstore.is_url(run.dir) else None
+        self.lease = (
+            RunDirLease(run.dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), every_renewal=self._send_outputs)
+            if self.mirror
+            else None
+        )
         self.replaced: list[str] = []  # names of the earlier outputs take() removed
         self.replaced_whose = ""  # whose they were, for the line saying so
         self.fresh = False  # what run.dir holds is this run's own: set once it knows it resumes nothing
@@ -35,6 +48,10 @@ class RunDirClaim:
 
         def decide() -> tuple[str, list[str]]:
             again = distributed.later_attempt()
+            if self.lease is not None and self.mirror is not None:  # the store's run.dir, taken and fetched
+                self.lease.acquire()
+                self.mirror.checkpoints.remove_partials()  # writes cut short: no other run writes there now
+                self.mirror.pull()
             rundir.check_usable(self.run_dir)
             rundir.check_config_file_is_ours(self.run_dir)
             rundir.check_contents(self.run_dir, self.run.allow_other_files)
@@ -50,15 +67,33 @@ class RunDirClaim:
             rundir.remove(earlier)
             # What trained, for `dtrain export` later: a Hugging Face model's config, the gpt's options.
             described.write(self.run_dir, module)
+            if self.mirror is not None:
+                self.mirror.push()  # the earlier outputs removed from the store too
             return whose, [p.name for p in earlier]
 
         self.replaced_whose, self.replaced = distributed.rank0_decides(decide, is_main=self.is_main) or ("", [])
 
     def said(self) -> list[str]:
         """The console line naming the earlier outputs take() replaced, if any."""
+        lines = [self.lease.took_over] if self.lease is not None and self.lease.took_over else []
         if not self.replaced:
-            return []
-        return [f"replaced the outputs of {self.replaced_whose}: {', '.join(self.replaced)}"]
+            return lines
+        return [*lines, f"replaced the outputs of {self.replaced_whose}: {', '.join(self.replaced)}"]
+
+    def _send_outputs(self) -> None:
+        if self.mirror is not None:
+            self.mirror.push(checkpoints=False)  # from the lease's thread: checkpoints only from the loop
+
+    def sending(self, report: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        """`report` for each sealed checkpoint, and then on a store rank 0 sends it there (every object,
+        COMPLETE.json last) and prunes there: the Checkpointer's report, sync or background."""
+
+        def reported(record: dict[str, Any]) -> None:
+            report(record)
+            if self.mirror is not None and self.lease is not None and self.lease.held:
+                self.mirror.push()
+
+        return reported
 
     def forget(self, steps_taken: int, close_writers: Callable[[], None] | None = None) -> None:
         """A new run that fails before its first step (bad data found in the first batch, a model that
@@ -74,8 +109,15 @@ class RunDirClaim:
         )
 
     def release(self, remove_if_created: bool = False) -> None:
-        """Drop the lock; on a refused start, also remove a run.dir the lock created."""
-        self.lock.release(remove_if_created=remove_if_created)
+        """Drop the lock; on a refused start, also remove a run.dir the lock created. On a store, first
+        send what the run wrote (final weights, the last metrics), then give the lease back."""
+        try:
+            if self.mirror is not None and self.lease is not None and self.lease.held:
+                self.mirror.push()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+            self.lock.release(remove_if_created=remove_if_created)
 
 
 def _whose(again: bool, overwrite: bool) -> str:

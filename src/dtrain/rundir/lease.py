@@ -29,14 +29,26 @@ TERM_S = 60.0  # how long a lease outlives its last renewal: a dead run's run.di
 class RunDirLease:
     """The lease on `<url>/.lease`, held by rank 0 for the life of the run."""
 
-    def __init__(self, url: str, run: str = "", term_s: float = TERM_S, say: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        url: str,
+        run: str = "",
+        term_s: float = TERM_S,
+        say: Callable[[str], None] | None = None,
+        every_renewal: Callable[[], None] | None = None,
+    ):
         self.url, self.run, self.term_s = objstore.join(url, NAME), run, term_s
+        self.every_renewal = every_renewal  # also done from the renewing thread (the run's outputs sent)
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.took_over = ""  # the line saying whose expired lease acquire() took over, if it did
         self.lost = False  # set when a renewal found the lease taken by another run
         self._etag: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._etag is not None and not self.lost
 
     def acquire(self) -> None:
         """Take the lease, or refuse in one line naming the live holder; start renewing it."""
@@ -86,8 +98,10 @@ class RunDirLease:
         while not self._stop.wait(self.term_s / 3):
             try:
                 self.renew()
-            except objstore.StorageError as exc:  # the store did not answer this time: the next try may
-                self.say(f"dtrain: could not renew the lease on run.dir ({exc}); trying again")
+                if self.every_renewal is not None and not self.lost:
+                    self.every_renewal()
+            except (objstore.StorageError, OSError) as exc:  # the store did not answer this time: the next may
+                self.say(f"dtrain: could not renew the lease on run.dir or send its outputs ({exc}); trying again")
             if self.lost:
                 return
 

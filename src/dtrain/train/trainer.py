@@ -15,7 +15,6 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from dtrain.observe.profiling import StepProfiler
 from dtrain.observe.steptime import StepTimer
 from dtrain.observe.watchdog import HangWatch
 from dtrain.rundir.claim import RunDirClaim
+from dtrain.rundir.mirror import local_dir
 from dtrain.train import advice, resume
 from dtrain.train.amp import Precision, precision_for
 from dtrain.train.compiling import compiling_step
@@ -81,7 +81,7 @@ class Trainer:
         self.model: nn.Module = model
         self.strategy: parallel.Strategy | None = None
         self.step, self.epoch = 0, 0  # optimizer steps taken, epochs done (lines say epochs from 1: _epoch_said)
-        self.run_dir = Path(self.config.run.dir)
+        self.run_dir = local_dir(self.config.run.dir)  # for s3://: the staging folder the store mirrors
         self.checkpoint_parts: dict[str, Any] = {}  # more state to checkpoint: see register_for_checkpointing
         # How the run continues a checkpoint. A regroup changes the accumulation the run uses: the
         # caller's config is never changed, `self.config` becomes a copy saying what the run used.
@@ -122,7 +122,7 @@ class Trainer:
             return
         cfg, diagnostics = self.config, self.run_dir / "diagnostics"
         self.session = distributed.start(cfg.distributed, debug=cfg.monitor.debug, diagnostics_dir=diagnostics)
-        self.claim = RunDirClaim(self.run_dir, cfg.run, self.session.is_main, cfg.checkpoint.export)
+        self.claim = RunDirClaim(self.run_dir, cfg.run, self.session.is_main, cfg.checkpoint)
         try:
             self._build(self.session)
             self._resume(self.session, self.claim)
@@ -182,7 +182,7 @@ class Trainer:
         elif cfg.model.weights:  # a new run: init_from's (or an hf: folder's) weights, into the spread model
             init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
-        self.checkpointer.report = self.monitor.log  # each sealed checkpoint's times
+        self.checkpointer.report = claim.sending(self.monitor.log)  # each sealed checkpoint's times (to a store)
 
     def fit(self) -> dict[str, Any]:
         """Train for `training.epochs` (or `max_steps`); the last logged metrics. SIGTERM: a checkpoint, `Preempted`."""

@@ -11,7 +11,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,13 +20,14 @@ from dtrain.config import Config
 from dtrain.data import tokens
 from dtrain.distributed.failures import record_failure
 from dtrain.errors import EXIT_USAGE, DtrainError, Preempted, Rank0Missing
+from dtrain.rundir.mirror import local_dir
 from dtrain.train.trainer import Trainer
 
 
 def run(config: Config) -> dict[str, Any]:
     """Train the job in this process, as one worker of however many the environment says."""
     with distributed.session(
-        config.distributed, debug=config.monitor.debug, diagnostics_dir=Path(config.run.dir) / "diagnostics"
+        config.distributed, debug=config.monitor.debug, diagnostics_dir=local_dir(config.run.dir) / "diagnostics"
     ) as session:
         if config.data.download and session.env.local_rank == 0:
             data.fetch(config)
@@ -48,7 +48,7 @@ def run(config: Config) -> dict[str, Any]:
 
 def _keep_tokenizer(config: Config) -> None:
     try:
-        tokens.keep_tokenizer(config.data.path, Path(config.run.dir))
+        tokens.keep_tokenizer(config.data.path, local_dir(config.run.dir))
     except (OSError, DtrainError) as exc:
         raise DtrainError(f"could not keep the tokenizer in {config.run.dir}/tokenizer ({exc})") from None
 

@@ -1,0 +1,143 @@
+"""run.dir on object storage: `run.dir = s3://bucket/prefix` against a real S3 protocol server on loopback
+(moto's server mode, tests/s3server.py), found by the launcher and its torchrun workers through boto's
+usual environment. Each machine is a cache folder of its own (XDG_CACHE_HOME): a run resumed on another
+one can only have read its checkpoint from the store. Nothing of fsspec, s3fs or boto is mocked."""
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from dtrain.checkpoint.store import MARKER
+from helpers import ROOT, dtrain, ok, weights
+
+MAIN = ["examples/digits_mlp.toml", "--nproc", "2", "training.max_steps=12", "checkpoint.every_steps=5"]
+# A synthetic job whose rank 0 can be killed (SIGKILL) in its 23rd training forward pass; 39 steps in all.
+JOB = [
+    "examples/digits_mlp.toml",
+    "--nproc",
+    "2",
+    "data.name=synthetic",
+    "data.num_samples=500",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "model.name=faults:dying_mlp",
+    "training.epochs=3",
+    "training.log_every=1",
+]
+MODEL = "model.options={hidden_size = 32%s}"
+
+
+def on(s3, machine):
+    """The environment of a job on `machine`: the store's credentials, the machine's own cache."""
+    return {**s3.env, "XDG_CACHE_HOME": str(machine)}
+
+
+def objects(s3, prefix):
+    fs = s3.filesystem()
+    root = f"{s3.bucket}/{prefix}"
+    return {name[len(root) + 1 :]: info["size"] for name, info in fs.find(root, detail=True).items()}
+
+
+def stored_weights(s3, prefix):
+    return load_safetensors(s3.filesystem().cat_file(f"{s3.bucket}/{prefix}/model.safetensors"))
+
+
+def complete_json_last(s3, prefix):
+    """For each step-N/ under the prefix's checkpoints: whether COMPLETE.json was its last PUT."""
+    puts: dict[str, list[str]] = {}
+    for method, path, _ in s3.requests():
+        found = re.search(rf"/{re.escape(prefix)}/checkpoints/(step-\d+)/([^?]+)", path)
+        if method == "PUT" and found:
+            puts.setdefault(found.group(1), []).append(found.group(2))
+    return {step: names[-1] == MARKER for step, names in puts.items()}
+
+
+@pytest.fixture(scope="module")
+def main_job(s3, tmp_path_factory):
+    """The default digits MLP on 2 processes, into a local folder and into the bucket."""
+    tmp = tmp_path_factory.mktemp("s3-main")
+    ok(dtrain("run", *MAIN, f"run.dir={tmp / 'local'}"))
+    result = ok(dtrain("run", *MAIN, f"run.dir={s3.url('runs/main')}", extra_env=on(s3, tmp / "machine")))
+    return tmp / "local", result
+
+
+def test_the_main_job_on_the_bucket_trains_bitwise_as_in_a_local_folder(s3, main_job):
+    local, _ = main_job
+    stored = objects(s3, "runs/main")
+    assert {"config.toml", "metrics.jsonl", "model.safetensors"} <= set(stored)
+    assert any(name.startswith("tensorboard/events.out.tfevents.") for name in stored)
+    assert ".lease" not in stored  # released at the end
+    # keep = 3 of step-5, -10, -12; each sealed by its COMPLETE.json, written after its other objects
+    steps = sorted({name.split("/")[1] for name in stored if name.startswith("checkpoints/")})
+    assert steps == ["step-10", "step-12", "step-5"] and all(f"checkpoints/{s}/{MARKER}" in stored for s in steps)
+    assert all(complete_json_last(s3, "runs/main").values()) and complete_json_last(s3, "runs/main")
+    mine, theirs = stored_weights(s3, "runs/main"), weights(local)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    stored_lines = s3.filesystem().cat_file(f"{s3.bucket}/runs/main/metrics.jsonl").decode().splitlines()
+    local_lines = (local / "metrics.jsonl").read_text().splitlines()
+    losses = [
+        [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r] for lines in (stored_lines, local_lines)
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 2  # logged at steps 10 and 12
+
+
+def test_the_credentials_are_written_nowhere(s3, main_job):
+    _, result = main_job
+    config = s3.filesystem().cat_file(f"{s3.bucket}/runs/main/config.toml").decode()
+    assert f'dir = "{s3.url("runs/main")}"' in config
+    for secret in (s3.secret, s3.key):
+        assert secret not in result.stdout + result.stderr and secret not in config
+
+
+def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_prefix(s3, tmp_path):
+    url, prefix = s3.url("runs/killed"), "runs/killed"
+    reference = tmp_path / "reference"
+    ok(dtrain("run", *JOB, MODEL % "", f"run.dir={reference}"))
+    dying = MODEL % ", die_at_forward = 23, die_rank = 0"  # rank 0, the lease holder: after step-20
+    first = dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=on(s3, tmp_path / "a"))
+    assert first.returncode != 0
+    stored = objects(s3, prefix)
+    assert f"checkpoints/step-20/{MARKER}" in stored and ".lease" in stored  # kill -9: never released
+    # A write cut short on the store: objects under step-33/, no COMPLETE.json. Never taken, then removed.
+    s3.filesystem().pipe_file(f"{s3.bucket}/{prefix}/checkpoints/step-33/state/__0_0.distcp", b"half")
+    # Another machine (its own empty cache). The killed run's lease must expire first: it is refused until then.
+    later = on(s3, tmp_path / "b")
+    refused = dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=later)
+    assert refused.returncode == 2 and "is in use by another run" in refused.stderr, refused.stderr
+    expire = s3.filesystem()
+    lease = json.loads(expire.cat_file(f"{s3.bucket}/{prefix}/.lease"))
+    expire.pipe_file(f"{s3.bucket}/{prefix}/.lease", json.dumps({**lease, "expires": lease["expires"] - 3600}).encode())
+    second = ok(dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=later))
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39", second.stderr, re.M), second.stderr
+    assert "took over the lease on run.dir from pid " in second.stderr + second.stdout
+    stored = objects(s3, prefix)
+    assert not any(name.startswith("checkpoints/step-33/") for name in stored), sorted(stored)
+    assert not [r for r in s3.requests() if r[0] == "GET" and "/step-33/" in r[1]]  # never read from
+    mine, theirs = stored_weights(s3, prefix), weights(reference)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("case", ["no bucket", "wrong secret", "password in URL", "not s3"])
+def test_a_store_that_refuses_is_one_line_from_the_launcher(s3, tmp_path, case):
+    url, extra = s3.url("runs/refused"), on(s3, tmp_path / "machine")
+    if case == "no bucket":
+        url = "s3://no-such-bucket/run"
+        expected = "run.dir = 's3://no-such-bucket/run/.lease': bucket 'no-such-bucket' does not exist"
+    elif case == "wrong secret":
+        extra["AWS_SECRET_ACCESS_KEY"] = "AKIAWRONGWRONGWRONG0"
+        expected = f"run.dir = '{url}/.lease': the store refused these credentials ("
+    elif case == "not s3":  # no conditional writes, so no lease
+        url = "gs://bucket/run"
+        expected = "run.dir = 'gs://bucket/run': a run.dir on object storage must be on an S3-compatible store"
+    else:
+        url = url.replace("s3://", f"s3://{s3.key}:{s3.secret}@")
+        expected = f"run.dir = '{s3.url('runs/refused')}' carries a password in the URL"
+    config = ROOT / "examples" / "digits_mlp.toml"
+    result = dtrain("run", str(config), f"run.dir={url}", "--nproc", "2", extra_env=extra, cwd=tmp_path)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: " + expected), lines
+    assert s3.secret not in lines[0] and list(tmp_path.iterdir()) == []  # nothing written, not even a cache
