@@ -141,3 +141,15 @@ def test_a_store_that_refuses_is_one_line_from_the_launcher(s3, tmp_path, case):
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("dtrain: error: " + expected), lines
     assert s3.secret not in lines[0] and list(tmp_path.iterdir()) == []  # nothing written, not even a cache
+
+
+def test_checkpoints_written_in_the_background_reach_the_bucket_sealed(s3, main_job, tmp_path):
+    """checkpoint.async: each checkpoint is sent once sealed (when training sees it done), COMPLETE.json
+    last, and the run ends as the synchronous one."""
+    local, _ = main_job
+    ok(dtrain("run", *MAIN, "checkpoint.async=true", f"run.dir={s3.url('runs/async')}", extra_env=on(s3, tmp_path)))
+    stored = objects(s3, "runs/async")
+    assert all(f"checkpoints/step-{n}/{MARKER}" in stored for n in (5, 10, 12)), sorted(stored)
+    assert all(complete_json_last(s3, "runs/async").values())
+    mine, theirs = stored_weights(s3, "runs/async"), weights(local)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
