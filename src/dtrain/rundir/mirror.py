@@ -64,11 +64,10 @@ class Mirror:
                 if path.is_file() and not name.startswith("checkpoints/") and name not in files:
                     path.unlink()
             self._sent = {}
-            for name, size in sorted(files.items()):
+            for name in sorted(files):  # every one, whatever is here: a file of the same size may differ
                 target = self.staging / name
-                if not (target.is_file() and target.stat().st_size == size and name != "metrics.jsonl"):
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(objstore.read_bytes(objstore.join(self.url, name), KEY)[0])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(objstore.read_bytes(objstore.join(self.url, name), KEY)[0])
                 self._sent[name] = _stamp(target)
             self._pull_checkpoints()
 
