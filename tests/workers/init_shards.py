@@ -1,11 +1,12 @@
 """What reading weights into an FSDP-sharded model costs each rank, measured by the kernel.
 
-    torchrun --nproc-per-node 2 tests/workers/init_shards.py WEIGHTS OUT
+    torchrun --nproc-per-node 2 tests/workers/init_shards.py WEIGHTS OUT [FROM]
 
-WEIGHTS is a model.safetensors of `model()`. Each rank writes OUT/rank<R>.json: the bytes it read (the
-kernel's count, /proc/self/io) and how far its peak resident memory rose (VmHWM) while `model.init_from`'s
-loader read WEIGHTS into its FSDP shards; the same for a whole, unsharded copy of the model (what one rank
-reading everything costs); and whether the shards then hold the file's tensors.
+WEIGHTS is a model.safetensors of `model()`, or a GPT-2 folder exported from one, FROM (its Conv1D weights
+stored transposed: a rank's rows of them are columns of the file's). Each rank writes OUT/rank<R>.json:
+the bytes it read (the kernel's count, /proc/self/io) and how far its peak resident memory rose (VmHWM)
+while `model.init_from`'s loader read WEIGHTS into its FSDP shards; the same for a whole, unsharded copy
+of the model (what one rank reading everything costs); and whether the shards then hold the tensors.
 """
 
 import json
@@ -56,7 +57,7 @@ def main() -> None:
         source = init_from.resolve("model.init_from", weights)
         sharded_cost = cost(lambda: init_from.load_into(sharded, source, session.is_main))
         whole_cost = cost(lambda: init_from.load_into(whole, source, session.is_main))
-        expected = load_weights(weights)  # tied tensors under each name
+        expected = load_weights(sys.argv[3] if len(sys.argv) > 3 else weights)  # tied tensors under each name
         full = {name: tensor.full_tensor() for name, tensor in sharded.state_dict().items()}
         same = all(torch.equal(full[name], expected[name]) for name in full)
         facts = {"sharded": sharded_cost, "whole": whole_cost, "same": same}

@@ -39,6 +39,21 @@ class Layout:
 
 # The built-in GPT's Linear layers that GPT-2 keeps as Conv1D ([in, out] weights).
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_GPT2_PREFIX = "transformer."  # GPT2LMHeadModel's body; its head (lm_head) is tied to transformer.wte
+
+
+def _is_conv1d(ours: str) -> bool:
+    return ours.endswith(".weight") and ours.removesuffix(".weight").endswith(_CONV1D)
+
+
+def gpt2_as_gpt(stored: list[str]) -> dict[str, tuple[str, bool]] | None:
+    """The way back from `gpt2`: each tensor of a GPT-2 folder (GPT2LMHeadModel's names) → the built-in
+    GPT's name it is read as, and whether it is transposed (a Conv1D weight); None when the names are not
+    GPT-2's. The head is not stored (tied to wte, read through the built-in GPT's own tie); biases are
+    named as the built-in GPT with bias = true has them (zeros, when `gpt2` exported one without)."""
+    if _GPT2_PREFIX + "wte.weight" not in stored:
+        return None
+    return {name.removeprefix(_GPT2_PREFIX): (name, _is_conv1d(name.removeprefix(_GPT2_PREFIX))) for name in stored}
 
 
 def gpt2(options: dict[str, Any], specs: Specs, eot: int | None) -> Layout:
@@ -67,8 +82,8 @@ def gpt2(options: dict[str, Any], specs: Specs, eot: int | None) -> Layout:
     entries, used = [], set()
     for name in kept:
         shape = tuple(expected[name].shape)
-        ours = name.removeprefix("transformer.")
-        transpose = ours.endswith(".weight") and ours.removesuffix(".weight").endswith(_CONV1D)
+        ours = name.removeprefix(_GPT2_PREFIX)
+        transpose = _is_conv1d(ours)
         if ours in specs:
             have = tuple(specs[ours][0])
             if (have[::-1] if transpose else have) != shape:

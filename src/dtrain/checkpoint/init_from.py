@@ -117,18 +117,50 @@ def load_into(module: Any, source: Source, is_main: bool) -> None:
     where = {name: file for file in map(_Safetensors, source.files) for name in file.entries}
     with torch.no_grad():
         for name, tensor in state.items():
-            where[names[name]].read_into(names[name], tensor)
+            stored, transpose = names[name]
+            where[stored].read_into(stored, tensor, transpose)
 
 
-def check_fit(module: Any, source: Source) -> dict[str, str]:
-    """Each of `module`'s state-dict names → the stored name it reads from, or a one-line refusal; from
-    the files' headers alone. The launcher asks it of a built-in model built on the meta device."""
+def check_fit(module: Any, source: Source) -> dict[str, tuple[str, bool]]:
+    """Each of `module`'s state-dict names → the stored name it reads from and whether it is stored
+    transposed, or a one-line refusal; from the files' headers (and a bias-less GPT's zero biases). The
+    launcher asks it of a built-in model built on the meta device."""
     if source.checkpoint is not None:
-        return _fit(source, module, _checkpoint_names(source.checkpoint)[0])
+        return {n: (s, False) for n, s in _fit(source, module, _checkpoint_names(source.checkpoint)[0]).items()}
     files = [_Safetensors(path) for path in source.files]
     shapes = {name: tuple(entry["shape"]) for file in files for name, entry in file.entries.items()}
     aliases = {n: v for file in files for n, v in file.metadata.items() if v in shapes and n not in shapes}
-    return _fit(source, module, shapes, aliases)
+    renamed = _as_built_in_gpt(source, module, files, shapes)
+    if renamed is not None:  # a GPT-2 folder (`dtrain export`'s) into the built-in GPT: its names, its shapes
+        shapes = {ours: shapes[name][::-1] if t else shapes[name] for ours, (name, t) in renamed.items()}
+    found = _fit(source, module, shapes, aliases)
+    return {n: renamed[s] if renamed is not None else (s, False) for n, s in found.items()}
+
+
+def _as_built_in_gpt(
+    source: Source, module: Any, files: list[_Safetensors], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[str, bool]] | None:
+    """When `module` is the built-in GPT and the files GPT-2's: each built-in name → (the file's name,
+    transposed), without the biases a GPT of bias = false has not — accepted only when they are zeros
+    (what `dtrain export` writes for it), since dropping others would change what the model computes."""
+    from dtrain.checkpoint import hf_layout
+    from dtrain.models.gpt import GPT
+
+    if not isinstance(module, GPT):
+        return None
+    renamed = hf_layout.gpt2_as_gpt(list(shapes))
+    if renamed is None:
+        return None
+    state = module.state_dict(keep_vars=True)
+    spare = [o for o in renamed if o not in state and o.endswith(".bias") and o[: -len("bias")] + "weight" in state]
+    where = {name: file for file in files for name in file.entries}
+    nonzero = [o for o in spare if where[renamed[o][0]].read(renamed[o][0]).count_nonzero()]
+    if nonzero:
+        raise ConfigError(
+            f"{source.key} = '{source.path}' has biases that are not zero ({_first(nonzero)}) and the built-in "
+            f"gpt has none: set model.options.bias = true"
+        )
+    return {ours: stored for ours, stored in renamed.items() if ours not in spare}
 
 
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64"}
@@ -150,13 +182,33 @@ class _Safetensors:
         self.metadata = header.pop("__metadata__", None) or {}
         self.entries: dict[str, dict[str, Any]] = header
 
-    def read_into(self, name: str, tensor: Any) -> None:
-        """Copy this rank's part of tensor `name` into `tensor`: all of it, or under FSDP (a DTensor)
-        only the rows (or blocks) this rank holds."""
+    def read(self, name: str) -> Any:
+        """Tensor `name` whole."""
+        import torch
+
+        tensor = torch.empty(self.entries[name]["shape"], dtype=self._dtype(name))
+        self.read_into(name, tensor)
+        return tensor
+
+    def _dtype(self, name: str) -> Any:
+        import torch
+
+        dtype = getattr(torch, _DTYPES.get(self.entries[name]["dtype"], ""), None)
+        if dtype is None:
+            raise ConfigError(
+                f"{self.path}: tensor {name} is of dtype {self.entries[name]['dtype']}, which dtrain cannot read"
+            )
+        return dtype
+
+    def read_into(self, name: str, tensor: Any, transpose: bool = False) -> None:
+        """Copy this rank's part of tensor `name` (with `transpose`, of its transpose: a 2-D weight GPT-2's
+        Conv1D keeps as [in, out]) into `tensor`: all of it, or under FSDP (a DTensor) only the rows (or
+        blocks) this rank holds."""
         import torch
         from torch.distributed.tensor import DTensor
 
         full = tuple(self.entries[name]["shape"])
+        full = full[::-1] if transpose else full  # the tensor's shape, as the model has it
         local, shape, offset = tensor, full, (0,) * len(full)
         if isinstance(tensor, DTensor):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -165,10 +217,10 @@ class _Safetensors:
             shape, offset = compute_local_shape_and_global_offset(full, tensor.device_mesh, tensor.placements)
         if not local.numel():  # an uneven split leaves the last ranks some tensors' empty shards
             return
-        entry = self.entries[name]
-        dtype = getattr(torch, _DTYPES.get(entry["dtype"], ""), None)
-        if dtype is None:
-            raise ConfigError(f"{self.path}: tensor {name} is of dtype {entry['dtype']}, which dtrain cannot read")
+        entry, dtype = self.entries[name], self._dtype(name)
+        if transpose:
+            local.copy_(self._columns(name, dtype, rows=(offset[1], shape[1]), columns=(offset[0], shape[0])).t())
+            return
         row = math.prod(full[1:]) * dtype.itemsize  # bytes per index of the first dimension
         first, count = (offset[0], shape[0]) if full else (0, 1)
         data = bytearray(count * row)
@@ -181,6 +233,26 @@ class _Safetensors:
         )
         inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
         local.copy_(rows[(slice(None), *inner)] if full else rows.view(()))
+
+    def _columns(self, name: str, dtype: Any, rows: tuple[int, int], columns: tuple[int, int]) -> Any:
+        """The block (first, count) of `rows` × `columns` of 2-D tensor `name`: a rank's rows of a
+        transposed tensor are the file's columns, read row by row, a column span of each, so that the
+        rank reads its share and no more."""
+        import torch
+
+        width = self.entries[name]["shape"][1]
+        data = bytearray(rows[1] * columns[1] * dtype.itemsize)
+        span = columns[1] * dtype.itemsize
+        with self.path.open("rb", buffering=0) as f:  # unbuffered: a buffer would read ahead past the span
+            for i in range(rows[1]):
+                f.seek(
+                    self.start
+                    + self.entries[name]["data_offsets"][0]
+                    + ((rows[0] + i) * width + columns[0]) * dtype.itemsize
+                )
+                if f.readinto(memoryview(data)[i * span : (i + 1) * span]) != span:
+                    raise ConfigError(f"{self.path} ends inside tensor {name}: the file is cut short")
+        return torch.frombuffer(data, dtype=dtype).view(rows[1], columns[1])
 
 
 def _checkpoint_names(folder: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
