@@ -38,7 +38,7 @@ def describe(module: nn.Module) -> dict[str, Any]:
             "bias": module.ln_f.bias is not None,
         }
         return {"written_by": "dtrain", "kind": GPT, "options": options}
-    if _is_transformers_model(module):
+    if is_transformers_model(module):
         # FSDP2 makes the model an instance of a class of its own (FSDPGPT2LMHeadModel): the library's is named.
         cls = next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
         try:
@@ -49,7 +49,7 @@ def describe(module: nn.Module) -> dict[str, Any]:
     return {"written_by": "dtrain", "kind": OTHER, "class": type(module).__name__}
 
 
-def _is_transformers_model(module: nn.Module) -> bool:
+def is_transformers_model(module: nn.Module) -> bool:
     # A model of transformers' has brought the library in already: nothing to import for one that has not.
     library = sys.modules.get("transformers")
     return library is not None and isinstance(module, library.PreTrainedModel)

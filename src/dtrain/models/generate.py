@@ -15,6 +15,7 @@ from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
+from dtrain.models import described
 from dtrain.rundir import given_in_code
 from dtrain.rundir.lock import RunDirLock
 
@@ -100,9 +101,13 @@ def generate(
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
     meta = kept if kept is not None else tokens.read_meta(config.data.path)
     tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
-    model: Any = models.build(config.model, (config.data.block_size,), meta["vocab_size"])  # has generate()
-    if not callable(getattr(model, "generate", None)):
-        raise DtrainError(f"model.name = '{config.model.name}' has no generate(); the built-in gpt has")
+    model: Any = models.build(config.model, (config.data.block_size,), meta["vocab_size"])
+    hugging_face = described.is_transformers_model(model)
+    if not (model.can_generate() if hugging_face else callable(getattr(model, "generate", None))):
+        raise DtrainError(
+            f"model.name = '{config.model.name}' builds a {type(model).__name__}, which cannot generate; "
+            f"generate samples the built-in gpt and hf-causal-lm: models"
+        )
     source = weights if checkpoint is None else checkpoint.path
     try:
         if checkpoint is None:
@@ -118,9 +123,37 @@ def generate(
     ids = ids if isinstance(ids, list) else ids.ids
     if not ids:
         ids = [meta["eot_token"]]  # an empty prompt: start as after a document
-    generator = torch.Generator().manual_seed(seed)
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k or None, generator=generator
-    )
+    if hugging_face:
+        out = _hf_generate(model, ids, max_new_tokens, temperature, top_k, seed)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k or None, generator=generator
+        )
     new = [i for i in out[0, len(ids) :].tolist()]
     return prompt + tokenizer.decode(new)
+
+
+def _hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, seed: int) -> Any:
+    """A Hugging Face model continues `ids` with its own `generate`, dtrain's flags mapped to its options:
+    temperature 0 is greedy (do_sample=False), else sampling at `temperature` from the `top_k` likeliest
+    (0: all). Unlike the built-in gpt, which writes all `max_new_tokens`, it stops at its config's
+    end-of-sequence token, as transformers does. It has no window to slide: a prompt and continuation
+    longer than its positions are refused."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and len(ids) + max_new_tokens > positions:
+        raise DtrainError(
+            f"the prompt's {len(ids)} tokens and --tokens {max_new_tokens} exceed the model's {positions} "
+            f"positions; ask for at most {max(positions - len(ids), 0)} tokens or give a shorter prompt"
+        )
+    torch.manual_seed(seed)  # transformers samples with torch's global generator
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature else {"do_sample": False}
+    eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    return model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad if pad is not None else eos,  # one sequence: nothing is padded; said, so not warned
+        **sampling,
+    )
