@@ -5,6 +5,9 @@
     a dtrain run.dir                       its model.safetensors, else its newest complete checkpoint
     a checkpoint folder (step-N)           its model part, from DCP
 
+A GPT-2 folder (`dtrain export`'s of the built-in GPT) also starts the built-in GPT: GPT-2's names are
+read back as its own (hf_layout.gpt2_as_gpt), Conv1D weights transposed.
+
 `resolve` says which, without torch: the launcher refuses a path that is none of them before any worker
 starts (and, for a built-in model built on the meta device, weights whose names or shapes differ:
 `check_fit`, from the files' headers). `load_into` puts the weights into the model in every worker, in
