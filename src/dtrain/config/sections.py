@@ -207,7 +207,8 @@ class ModelConfig(Section):
         "",
         "Weights a new run starts from: a .safetensors file, a Hugging Face model folder, a dtrain "
         "run.dir (its model.safetensors, else its newest checkpoint) or a checkpoints/step-N folder. "
-        "Names and shapes must match the model. A resumed run continues from its checkpoint instead. "
+        "Names and shapes must match the model (a GPT-2 folder dtrain export wrote also starts the built-in "
+        "gpt). A resumed run continues from its checkpoint instead. "
         "Under FSDP each process reads only its shard.",
     )
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
