@@ -22,7 +22,7 @@ def export(run_dir: str, format: str, out: str | None, step: int | None, max_sha
         raise DtrainError(f"--step must be a checkpoint's step (a whole number >= 0); got {step}")
     folder = Path(run_dir)
     target = Path(out) if out is not None else folder / "hf"
-    if folder.is_dir() and _inside(target, folder) and _still_training(folder):
+    if folder.is_dir() and _inside(target, folder) and RunDirLock(folder).held():
         raise DtrainError(
             f"{folder} is still training, and its own end may write {target}; export once it has ended, "
             f"or give --out a folder outside it"
@@ -37,11 +37,3 @@ def export(run_dir: str, format: str, out: str | None, step: int | None, max_sha
 
 def _inside(path: Path, folder: Path) -> bool:
     return path.absolute().resolve().is_relative_to(folder.absolute().resolve())
-
-
-def _still_training(run_dir: Path) -> bool:
-    try:
-        RunDirLock(run_dir).check_free()
-    except DtrainError:
-        return True
-    return False

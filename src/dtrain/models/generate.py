@@ -22,15 +22,6 @@ from dtrain.rundir.lock import RunDirLock
 MAX_TOKENS = 100_000  # a sample to read, not a corpus
 
 
-def _still_training(run_dir: Path) -> bool:
-    """Whether a live run holds the run.dir's lock."""
-    try:
-        RunDirLock(run_dir).check_free()
-    except DtrainError:
-        return True
-    return False
-
-
 def _newer_checkpoint(run_dir: Path, weights: Path) -> Checkpoint | None:
     """The run's newest complete checkpoint where it was sealed after the final weights were written (a
     run still training, or stopped before its end), else None: the weights are the newest state."""
@@ -57,7 +48,7 @@ def generate(
 
     run_dir = Path(run_dir)
     config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
-    training = _still_training(run_dir)
+    training = RunDirLock(run_dir).held()
     if not config_file.is_file():
         if training:
             raise DtrainError(f"{run_dir} is still training and has no config.toml yet; generate once it has")

@@ -62,6 +62,14 @@ class RunDirLock:
         finally:
             os.close(fd)
 
+    def held(self) -> bool:
+        """Whether a live run holds the lock now (`dtrain generate` and `dtrain export` of a run still training)."""
+        try:
+            self.check_free()
+        except DtrainError:
+            return True
+        return False
+
     def _in_use(self, fd: int) -> DtrainError:
         return DtrainError(
             f"run.dir {self.path.parent} is in use by another run ({_read_holder(fd)}); "
