@@ -186,7 +186,8 @@ def test_weights_are_read_a_bounded_amount_at_a_time_whatever_the_shard_size(gpt
     from dtrain.checkpoint import hf_export
 
     reads: list[int] = []
-    checkpoint = hf_export._checkpoint_weights(gpt_ddp, 8)  # the FSDP-able source: DCP read by names
+    step_8 = hf_export._complete_checkpoint(gpt_ddp, 8)
+    checkpoint = hf_export._checkpoint_weights(gpt_ddp, step_8)  # the FSDP-able source: DCP read by names
     read = checkpoint.read
 
     def counted(names: list[str]) -> dict[str, torch.Tensor]:
@@ -195,7 +196,7 @@ def test_weights_are_read_a_bounded_amount_at_a_time_whatever_the_shard_size(gpt
         return tensors
 
     monkeypatch.setattr(checkpoint, "read", counted)
-    monkeypatch.setattr(hf_export, "_checkpoint_weights", lambda run_dir, step: checkpoint)
+    monkeypatch.setattr(hf_export, "_checkpoint_weights", lambda run_dir, step_n: checkpoint)
     monkeypatch.setattr(hf_export, "READ_BYTES", 20_000)
     folder = export(gpt_ddp, tmp_path / "bounded", step=8)
     largest = 300 * 32 * 4  # the token embedding
@@ -267,3 +268,46 @@ def test_what_cannot_be_exported_is_refused_in_one_line(gpt_ddp, tmp_path):
         assert "is still training" in refused(str(gpt_ddp), "--format", "hf")
     finally:
         lock.release()
+
+
+def test_a_disk_filling_during_export_is_one_line_and_leaves_out_as_it_was(gpt_ddp, tmp_path):
+    """A write that fails half-way (here past a file-size limit, failing as a full disk fails it) is one
+    line (a DtrainError: exit 2), no staging folder left, and the earlier export at --out kept as it was."""
+    import resource
+
+    out = export(gpt_ddp, tmp_path / "hf", step=4)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # the weights (~150 KB) cannot be written
+    try:
+        with pytest.raises(DtrainError) as error:
+            export(gpt_ddp, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(error.value).startswith(f"could not write the export to {out} (File too large); {out} is as it was")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_checkpoint_pruned_while_it_is_exported_is_one_line(gpt_ddp, tmp_path, monkeypatch):
+    """Exporting a checkpoint of a run still training races its `checkpoint.keep` pruning: the checkpoint
+    deleted half-way through the read is said as such — not a traceback, not "damaged, delete it"."""
+    from dtrain.checkpoint import tensors
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(gpt_ddp, run_dir)
+    step_4 = run_dir / "checkpoints" / "step-4"
+    read = tensors.read_model_weights
+
+    def pruned_meanwhile(folder, state):  # what the run's pruning does between two reads
+        shutil.rmtree(step_4, ignore_errors=True)
+        return read(folder, state)
+
+    monkeypatch.setattr(tensors, "read_model_weights", pruned_meanwhile)
+    with pytest.raises(DtrainError) as error:
+        export(run_dir, tmp_path / "out", step=4)
+    assert str(error.value) == (
+        f"{step_4} was deleted while it was exported (a run still training keeps only its checkpoint.keep newest); "
+        f"{tmp_path / 'out'} is as it was: export a newer step, or this one from a copy"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -29,7 +29,7 @@ import torch
 from dtrain import rundir
 from dtrain.checkpoint import hf_layout
 from dtrain.checkpoint.hf_layout import Entry, Specs
-from dtrain.checkpoint.store import CheckpointStore
+from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.errors import DtrainError
 from dtrain.files import fsync_dir, fsync_file, user_file_mode
 from dtrain.models import described
@@ -99,16 +99,21 @@ _SAFETENSORS_DTYPES = {
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
-def _checkpoint_weights(run_dir: Path, step: int) -> _Weights:
-    from dtrain.checkpoint.tensors import model_tensor_specs, read_model_weights
-
+def _complete_checkpoint(run_dir: Path, step: int) -> Checkpoint:
     store = CheckpointStore(run_dir)
     found = {c.step: c for c in store.complete()}
     if step not in found:
         have = ", ".join(c.name for c in found.values()) or "none"
         raise DtrainError(f"{store.root} holds no complete checkpoint step-{step} (complete ones: {have})")
-    checkpoint = found[step]
-    store.check_intact(checkpoint)  # every file against its size and CRC: a damaged one is not exported
+    return found[step]
+
+
+def _checkpoint_weights(run_dir: Path, checkpoint: Checkpoint) -> _Weights:
+    from dtrain.checkpoint.tensors import model_tensor_specs, read_model_weights
+
+    CheckpointStore(run_dir).check_intact(
+        checkpoint
+    )  # every file against its size and CRC: a damaged one is not exported
     weights = _Weights()
     weights.specs = model_tensor_specs(checkpoint.path)
 
@@ -170,24 +175,42 @@ def export_hf(
     problem = described.not_exportable(model)
     if problem:
         raise DtrainError(f"{run_dir}: {problem}")
-    if step is None:
-        final = run_dir / "model.safetensors"
-        if not final.is_file():
-            have = ", ".join(c.name for c in CheckpointStore(run_dir).complete())
-            hint = f"; export a checkpoint with --step N ({have})" if have else ""
-            raise DtrainError(f"{final} does not exist: the run has no final weights{hint}")
-        weights = _final_weights(final)
-    else:
-        weights = _checkpoint_weights(run_dir, step)
-    meta = _tokens_meta(run_dir)
-    eot = meta.get("eot_token") if isinstance(meta.get("eot_token"), int) else None
-    layout = hf_layout.of(model, weights.specs, eot)
-    with _staged(out) as staging:
-        layout.config.save_pretrained(staging)
-        _write_generation_config(staging, layout.config)
-        _write_weights(staging, weights, layout.entries, max_bytes)
-        _write_tokenizer(staging, run_dir, meta, layout.config)
+    final = run_dir / "model.safetensors"
+    if step is None and not final.is_file():
+        have = ", ".join(c.name for c in CheckpointStore(run_dir).complete())
+        hint = f"; export a checkpoint with --step N ({have})" if have else ""
+        raise DtrainError(f"{final} does not exist: the run has no final weights{hint}")
+    checkpoint = _complete_checkpoint(run_dir, step) if step is not None else None
+    try:
+        weights = _final_weights(final) if checkpoint is None else _checkpoint_weights(run_dir, checkpoint)
+        meta = _tokens_meta(run_dir)
+        eot = meta.get("eot_token") if isinstance(meta.get("eot_token"), int) else None
+        layout = hf_layout.of(model, weights.specs, eot)
+        with _staged(out) as staging:
+            layout.config.save_pretrained(staging)
+            _write_generation_config(staging, layout.config)
+            _write_weights(staging, weights, layout.entries, max_bytes)
+            _write_tokenizer(staging, run_dir, meta, layout.config)
+    except Exception as exc:
+        raise _failed(exc, out, checkpoint) from None
     return out
+
+
+def _failed(exc: Exception, out: Path, checkpoint: Checkpoint | None) -> Exception:
+    """What a failure half-way says. The staging folder is gone by now and `out` is as it was; what remains
+    to say is why: a checkpoint that a run still training pruned while it was read (DCP's reader then fails
+    on a missing shard, or the manifest check on a missing file — not damage), or a disk that filled up."""
+    if checkpoint is not None and not checkpoint.path.exists():
+        return DtrainError(
+            f"{checkpoint.path} was deleted while it was exported (a run still training keeps only its "
+            f"checkpoint.keep newest); {out} is as it was: export a newer step, or this one from a copy"
+        )
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        return DtrainError(
+            f"could not write the export to {out} ({exc.strerror or exc}); {out} is as it was: make room on its "
+            f"disk, or give --out a folder on another"
+        )
+    return exc
 
 
 def _check_out(out: Path) -> None:
