@@ -192,3 +192,35 @@ def test_object_storage_reads_one_batch_ahead_and_never_more():
             time.sleep(0.05)
             assert len(store.asked) == k + 2
     assert torch.equal(torch.cat(got), torch.arange(40)) and store.asked == list(range(0, 40, 4))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.init_from=s3://bucket/weights", "model.init_from = 's3://bucket/weights'"),
+        ("model.name=hf:s3://KEY:SECRET@bucket/model", "model.name = 'hf:s3://bucket/model'"),
+    ],
+)
+def test_a_url_where_only_local_paths_are_read_is_refused_in_one_line(override, key, tmp_path, monkeypatch):
+    """Only data.path and run.dir read object storage: a URL for the weights was taken for a local path
+    (pathlib makes "s3://b/p" the folder "s3:/b/p") and must be refused instead."""
+    from dtrain.config import load_config
+    from dtrain.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    said = f"{key} holds a URL, and dtrain reads object storage only for data.path and run.dir"
+    assert str(error.value).startswith(said)
+    assert "SECRET" not in str(error.value) and not any(tmp_path.iterdir())
+
+
+def test_dtrain_export_refuses_a_url_in_one_line(tmp_path):
+    for args, said in (
+        (["s3://bucket/run"], "RUN_DIR s3://bucket/run is a URL"),
+        ([str(tmp_path), "--out", "s3://bucket/hf"], "--out s3://bucket/hf is a URL"),
+    ):
+        result = dtrain("export", *args, "--format", "hf", cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith(f"dtrain: error: {said}; export reads and writes local folders")
+    assert not any(tmp_path.iterdir())

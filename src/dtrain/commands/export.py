@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dtrain import objstore
 from dtrain.errors import DtrainError
 from dtrain.rundir.lock import RunDirLock
 
@@ -20,6 +21,11 @@ def export(run_dir: str, format: str, out: str | None, step: int | None, max_sha
         raise DtrainError(f"--format {format!r} is not one dtrain writes; use --format hf (a Hugging Face folder)")
     if step is not None and step < 0:
         raise DtrainError(f"--step must be a checkpoint's step (a whole number >= 0); got {step}")
+    for what, path in (("RUN_DIR", run_dir), ("--out", out)):
+        if objstore.is_url(path):  # pathlib would take "s3://b/p" for the local folder "s3:/b/p"
+            raise DtrainError(
+                f"{what} {objstore.without_credentials(str(path))} is a URL; export reads and writes local folders"
+            )
     folder = Path(run_dir)
     target = Path(out) if out is not None else folder / "hf"
     if folder.is_dir() and _inside(target, folder) and RunDirLock(folder).held():

@@ -75,6 +75,17 @@ class RunConfig(Section):
         self.dir = os.path.expanduser(self.dir)
 
 
+def _local_only(key: str, value: str, what: str, given: str = "") -> None:
+    """Object storage is read for data.path and run.dir only: a URL elsewhere would be taken as a local path
+    (pathlib turns "s3://b/p" into the folder "s3:/b/p" under the current one) and silently read there."""
+    if objstore.is_url(value):
+        shown = (given or value).replace(value, objstore.without_credentials(value))
+        raise ConfigError(
+            f"{key} = '{shown}' holds a URL, and dtrain reads object storage only "
+            f"for data.path and run.dir; give {what} as a local path (or a mounted store's)"
+        )
+
+
 @dataclass(slots=True)
 class DistributedConfig(Section):
     strategy: Literal["ddp", "fsdp", "hsdp"] = setting(
@@ -226,8 +237,10 @@ class ModelConfig(Section):
     )
 
     def check(self) -> None:
+        _local_only("model.init_from", self.init_from, "the weights")
         self.init_from = os.path.expanduser(self.init_from)
         if self.hf_folder is not None:
+            _local_only("model.name", self.hf_folder, "the Hugging Face model folder", self.name)
             if not self.hf_folder:
                 raise ConfigError(f"model.name = '{self.name}' names no folder; give 'hf:PATH' or 'hf-causal-lm:PATH'")
             return
