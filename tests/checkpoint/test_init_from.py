@@ -252,3 +252,19 @@ def test_paths_that_hold_no_weights_are_refused_at_launch(first, tokens, tmp_pat
     result = dtrain(*job(tokens, run_dir, OPTIONS, *setting.format(**fill).split()))
     assert_one_line(result, message.format(**fill), tmp_path / "r")
     assert (first / "model.safetensors").is_file()
+
+
+def test_a_hugging_face_folder_given_to_the_built_in_gpt_names_the_setting_that_takes_it(first, tmp_path):
+    """A Hugging Face folder the built-in gpt cannot take (here its own GPT-2 export, read back by a gpt of
+    another depth) is refused with the setting that trains that folder's model: model.name = 'hf:FOLDER'."""
+    pytest.importorskip("transformers")
+    from dtrain.checkpoint.hf_export import export_hf
+
+    folder = export_hf(first, tmp_path / "hf")
+    with torch.device("meta"):
+        model = GPT(vocab_size=257, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32)
+    with pytest.raises(ConfigError) as error:
+        init_from.check_fit(model, init_from.resolve("model.init_from", str(folder)))
+    assert str(error.value).endswith(
+        f"— {folder} is a Hugging Face model folder: to train its model, give model.name = 'hf:{folder}'"
+    )

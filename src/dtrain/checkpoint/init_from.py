@@ -323,9 +323,18 @@ def _fit(
     if problems:
         raise ConfigError(
             f"{source.key} = '{source.path}' does not fit the model: {'; '.join(problems)}; give weights "
-            f"saved from a model of this model.name and model.options"
+            f"saved from a model of this model.name and model.options{_hf_hint(source)}"
         )
     return names
+
+
+def _hf_hint(source: Source) -> str:
+    """A Hugging Face folder (a `dtrain export` of the built-in gpt among them: GPT-2's names) is that
+    model's weights, which only that model takes: the hint names the setting that builds it."""
+    folder = source.files[0].parent if source.files else None
+    if source.key != "model.init_from" or folder is None or not (folder / "config.json").is_file():
+        return ""
+    return f" — {folder} is a Hugging Face model folder: to train its model, give model.name = 'hf:{folder}'"
 
 
 def _first(items: list[str]) -> str:
