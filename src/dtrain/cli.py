@@ -256,15 +256,20 @@ def cmd_report(argv: Sequence[str]) -> int:
     return 0
 
 
-def _prepare_stopped(out: str):
-    """SIGTERM during prepare: unwind (exit 75, one line), so that nothing of --out is left behind."""
+class _Stopped:
+    """SIGTERM while a command writes `out` (prepare, export): unwind (exit 75, one line), so that nothing
+    of `out` is left behind. The early handler would end the process at once (os._exit), leaving the
+    staging folder beside `out`. Raised where the signal lands, the error may come back wrapped (DCP wraps
+    what its read raises): `fired` tells the command to say this line all the same."""
 
-    def stop(signum: int, frame: object) -> None:
-        error = DtrainError(f"stopped by SIGTERM; nothing was written to {out} — rerun the same command to prepare it")
-        error.exit_code = EXIT_REQUEUE
-        raise error
+    def __init__(self, out: str, what: str):
+        self.error = DtrainError(f"stopped by SIGTERM; nothing was written to {out} — rerun the same command to {what}")
+        self.error.exit_code = EXIT_REQUEUE
+        self.fired = False
 
-    return stop
+    def __call__(self, signum: int, frame: object) -> None:
+        self.fired = True
+        raise self.error
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
@@ -306,9 +311,7 @@ def cmd_prepare(argv: Sequence[str]) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     from dtrain.data.prepare import prepare_text
 
-    # The early handler ends the process at once (os._exit): here that would leave prepare's staging
-    # folder beside --out. Raised instead, the SIGTERM unwinds through prepare, which removes it.
-    signal.signal(signal.SIGTERM, _prepare_stopped(args.out))
+    signal.signal(signal.SIGTERM, _Stopped(args.out, "prepare it"))
     meta = prepare_text(
         args.sources,
         args.out,
@@ -373,7 +376,14 @@ def cmd_export(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from dtrain.commands.export import export
 
-    print(export(args.run_dir, args.format, args.out, args.step, args.max_shard_size))
+    stopped = _Stopped(args.out or os.path.join(args.run_dir, "hf"), "export it")
+    signal.signal(signal.SIGTERM, stopped)
+    try:
+        print(export(args.run_dir, args.format, args.out, args.step, args.max_shard_size))
+    except BaseException:  # DCP's CheckpointException, which wraps the signal's error, is a BaseException
+        if stopped.fired:
+            raise stopped.error from None
+        raise
     return 0
 
 

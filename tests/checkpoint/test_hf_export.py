@@ -311,3 +311,31 @@ def test_a_checkpoint_pruned_while_it_is_exported_is_one_line(gpt_ddp, tmp_path,
         f"{tmp_path / 'out'} is as it was: export a newer step, or this one from a copy"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_sigterm_while_export_writes_leaves_neither_out_nor_staging_folder(gpt_ddp, tmp_path):
+    """SIGTERM with the weights written into the staging folder (as the tokenizer's module is imported):
+    exit 75 and the one line export's own, not a run's ("before training began") — and nothing left
+    beside --out, where the process ending at once used to leave its staging folder."""
+    import os
+
+    from helpers import env
+
+    out = tmp_path / "hf"
+    pythonpath = os.pathsep.join([str(WORKERS / "process_faults"), env()["PYTHONPATH"]])
+    result = run_dtrain(
+        "export",
+        str(gpt_ddp),
+        "--format",
+        "hf",
+        "--step",
+        "4",
+        "--out",
+        str(out),
+        extra_env={"SIGTERM_AT_IMPORT": "dtrain.data.prepare", "PYTHONPATH": pythonpath},
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [], result.stderr
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.strip() == (
+        f"dtrain: error: stopped by SIGTERM; nothing was written to {out} — rerun the same command to export it"
+    )

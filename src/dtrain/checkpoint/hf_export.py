@@ -191,12 +191,12 @@ def export_hf(
             _write_generation_config(staging, layout.config)
             _write_weights(staging, weights, layout.entries, max_bytes)
             _write_tokenizer(staging, run_dir, meta, layout.config)
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         raise _failed(exc, out, checkpoint) from None
     return out
 
 
-def _failed(exc: Exception, out: Path, checkpoint: Checkpoint | None) -> Exception:
+def _failed(exc: BaseException, out: Path, checkpoint: Checkpoint | None) -> BaseException:
     """What a failure half-way says. The staging folder is gone by now and `out` is as it was; what remains
     to say is why: a checkpoint that a run still training pruned while it was read (DCP's reader then fails
     on a missing shard, or the manifest check on a missing file — not damage), or a disk that filled up."""
