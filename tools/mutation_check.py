@@ -67,8 +67,8 @@ BREAKAGES = {
         [
             (
                 "src/dtrain/checkpoint/store.py",
-                "        for checkpoint in doomed:\n            shutil.rmtree",
-                "        for checkpoint in []:\n            shutil.rmtree",
+                "        for checkpoint in doomed:\n            # Out of the way first",
+                "        for checkpoint in []:\n            # Out of the way first",
             )
         ],
         ["tests/checkpoint/test_checkpoint.py::test_checkpoints_are_kept_k_and_sealed"],
