@@ -339,3 +339,12 @@ def test_a_sigterm_while_export_writes_leaves_neither_out_nor_staging_folder(gpt
     assert result.stderr.strip() == (
         f"dtrain: error: stopped by SIGTERM; nothing was written to {out} — rerun the same command to export it"
     )
+
+
+def test_an_empty_run_dir_or_out_is_refused_not_taken_for_the_current_folder(tmp_path):
+    """`dtrain export "$RUN" --format hf` with RUN unset: one line, not an export of the current folder."""
+    for args, what in (([""], "RUN_DIR"), ([str(tmp_path), "--out", " "], "--out")):
+        result = run_dtrain("export", *args, "--format", "hf", cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith(f"dtrain: error: {what} is empty (an unset shell variable?)"), result.stderr
+    assert not any(tmp_path.iterdir())

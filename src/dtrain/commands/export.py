@@ -22,6 +22,8 @@ def export(run_dir: str, format: str, out: str | None, step: int | None, max_sha
     if step is not None and step < 0:
         raise DtrainError(f"--step must be a checkpoint's step (a whole number >= 0); got {step}")
     for what, path in (("RUN_DIR", run_dir), ("--out", out)):
+        if path is not None and not path.strip():  # an unset shell variable: never "." by accident
+            raise DtrainError(f"{what} is empty (an unset shell variable?); give the folder of a dtrain run")
         if objstore.is_url(path):  # pathlib would take "s3://b/p" for the local folder "s3:/b/p"
             raise DtrainError(
                 f"{what} {objstore.without_credentials(str(path))} is a URL; export reads and writes local folders"
