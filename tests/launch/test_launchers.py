@@ -423,9 +423,16 @@ def test_a_worker_ends_like_a_normal_exit(tmp_path, code):
     """Workers leave without the interpreter's teardown (where gloo's threads can abort a finished
     run): a script's own exit status, its atexit handlers and its buffered output all survive that. The
     launcher returns the script's own status — 3 is 3, not 1; 75 reaches the scheduler as a requeue; 2
-    (an argparse error) is the script's, not a line of dtrain's — and says which rank ended with it."""
+    (an argparse error) is the script's, not a line of dtrain's — and says which rank ended with it. A
+    file the script wrote and never closed is whole, as the interpreter's teardown would leave it."""
     result = dtrain("launch", "--nproc", "2", str(WORKERS / "failing_script.py"), "exit", str(code), str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-rank0", "atexit-rank1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "atexit-rank0",
+        "atexit-rank1",
+        "unclosed-rank0",
+        "unclosed-rank1",
+    ]
+    assert [(tmp_path / f"unclosed-rank{rank}").read_text() for rank in (0, 1)] == ["x" * 1000] * 2
     assert "rank 0 is done" in result.stdout and "rank 1 is done" in result.stdout, result.stdout
     assert result.returncode == code, result.stderr
     if code in (2, 3):

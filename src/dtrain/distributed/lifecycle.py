@@ -47,7 +47,27 @@ def end_worker_process(code: int) -> NoReturn:
 
     atexit._run_exitfuncs()  # what sys.exit would run (trackers, loggers, temporary files)
     logging.shutdown()
+    flush_open_files()
+    os._exit(code)
+
+
+def flush_open_files() -> None:
+    """Flush every file object still open in this process, standard streams included.
+
+    The interpreter's teardown finalises open files (closing flushes their buffers), so a script that
+    writes a file and never closes it finds it whole under `python` and torchrun. os._exit skips that,
+    and the buffered tail would be lost: flushing them all here keeps what a normal exit keeps. Not
+    closed: a library's atexit handler or a daemon thread may still hold one."""
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        # By its type: isinstance would read `__class__` of every object, and some (deprecated torch
+        # aliases) warn when read.
+        if issubclass(type(obj), io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code)
