@@ -32,6 +32,15 @@ def refused(result, message: str, tmp_path) -> None:
             "use distributed.backend=gloo (or auto)",
         ),
         (
+            ["training.device=cuda"],
+            "training.device = 'cuda' needs CUDA GPUs and this process sees none; use training.device=auto or cpu",
+        ),
+        (
+            ["training.device=cpu", "distributed.backend=nccl"],
+            "distributed.backend = 'nccl' needs CUDA GPUs and training.device = 'cpu'; "
+            "use distributed.backend=gloo (or auto)",
+        ),
+        (
             ["data.name=mnist", "data.path=/no/such/dir"],
             "data.path = '/no/such/dir' does not hold the MNIST IDX files (train-images-idx3-ubyte, "
             "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); put them "

@@ -138,6 +138,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     config, notes = read_config(args.config, overrides)
     refuse_given_in_code(args.config)
     _say_notes([*notes, *idle_settings(config)])
+    from dtrain import distributed
     from dtrain.distributed import in_worker_environment
     from dtrain.launch import launch
     from dtrain.launch.preflight import preflight
@@ -150,6 +151,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
         return worker_main(config)
 
+    distributed.keep_to_the_cpu(config.training.device)  # before anything here or in a worker asks CUDA
     spec = _spec(args)
     spec.shutdown_grace_s = config.checkpoint.preempt_grace_s
     spec.validate()

@@ -84,6 +84,18 @@ def test_backend_choice_without_gpus():
         distributed.resolve_backend("nccl")
 
 
+def test_training_device_cpu_hides_the_gpus_and_takes_gloo():
+    """training.device = cpu on any machine: gloo, the CPU, and the launcher hides the GPUs from itself and
+    its workers (CUDA_VISIBLE_DEVICES empty), so nothing in them binds a GPU."""
+    assert distributed.resolve_backend("auto", "cpu") == "gloo"
+    assert distributed.bind_device(DistEnv(), "cpu") == torch.device("cpu")
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    distributed.keep_to_the_cpu("auto", environ)
+    assert environ == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    distributed.keep_to_the_cpu("cpu", environ)
+    assert environ == {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def test_cpu_threads_split_the_cores_unless_omp_num_threads_is_set():
     before = torch.get_num_threads()
     try:

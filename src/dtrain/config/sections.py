@@ -355,6 +355,11 @@ class TrainingConfig(Section):
     grad_accum_steps: int = setting(
         1, "Micro-batches per optimizer step; all but the last skip the gradient all-reduce.", min=1
     )
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto",
+        "auto: one GPU per process where CUDA sees GPUs, else the CPU; cpu: the CPU even on a GPU "
+        "machine (gloo, GPUs hidden from the workers); cuda: refuse to start without GPUs.",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32", "fp32, bf16 autocast (CPU or CUDA) or fp16 autocast with GradScaler (CUDA)."
     )

@@ -7,7 +7,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +23,36 @@ from dtrain.errors import ConfigError, EnvironmentProblem, PeersMissing
 # --- backend and device ---------------------------------------------------------------------------
 
 
-def resolve_backend(requested: str) -> str:
-    """'auto' is nccl with CUDA GPUs and gloo without; nccl without GPUs is refused."""
+def uses_cuda(device: str = "auto") -> bool:
+    """Whether the workers compute on GPUs: training.device = auto takes them where CUDA sees any, cpu
+    never does (a GPU machine kept for something else, a CPU baseline), cuda refuses to start without."""
+    if device == "cpu":
+        return False
     has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise ConfigError(
+            "training.device = 'cuda' needs CUDA GPUs and this process sees none; use training.device=auto or cpu"
+        )
+    return has_cuda
+
+
+def keep_to_the_cpu(device: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """training.device = cpu, applied by the launcher before it or its workers look at CUDA: with the
+    GPUs hidden, every part that asks (the launcher's GPU count, torch, libraries in the user's model)
+    sees a CPU machine."""
+    if device == "cpu":
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def resolve_backend(requested: str, device: str = "auto") -> str:
+    """'auto' is nccl with CUDA GPUs and gloo without; nccl without GPUs is refused."""
+    has_cuda = uses_cuda(device)
     if requested == "auto":
         return "nccl" if has_cuda else "gloo"
     if requested == "nccl" and not has_cuda:
+        why = "training.device = 'cpu'" if device == "cpu" else "this machine has none"
         raise ConfigError(
-            "distributed.backend = 'nccl' needs CUDA GPUs and this machine has none; "
-            "use distributed.backend=gloo (or auto)"
+            f"distributed.backend = 'nccl' needs CUDA GPUs and {why}; use distributed.backend=gloo (or auto)"
         )
     return requested
 
@@ -61,12 +82,12 @@ def device_index(local_rank: int, visible: int) -> int:
     return local_rank % visible
 
 
-def bind_device(env: DistEnv) -> torch.device:
+def bind_device(env: DistEnv, device: str = "auto") -> torch.device:
     """Each process computes on its own GPU (LOCAL_RANK) when there are GPUs, else on the CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
-        torch.cuda.set_device(device)
-        return device
+    if uses_cuda(device):
+        gpu = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(gpu)
+        return gpu
     return torch.device("cpu")
 
 
@@ -125,6 +146,7 @@ def start(
     *,
     debug: bool = False,
     diagnostics_dir: Path | None = None,
+    device: str = "auto",
 ) -> Session:
     """Join (or create) the process group for this worker and bind its device and threads.
 
@@ -138,17 +160,16 @@ def start(
         if backend == "gloo":
             _let_gloo_settle_at_exit()
         set_debug_level(debug, backend)
-        device = bind_device(env)
-        return Session(env, backend, device, owns_group=False)
+        return Session(env, backend, bind_device(env, device), owns_group=False)
 
     env = detect_env(environ)
-    backend = resolve_backend(config.backend)
+    backend = resolve_backend(config.backend, device)
     set_debug_level(debug, backend)
-    device = bind_device(env)
-    if device.type == "cpu":
+    bound = bind_device(env, device)
+    if bound.type == "cpu":
         set_cpu_threads(env, environ)
     if env.world_size == 1:
-        return Session(env, backend, device, owns_group=False)
+        return Session(env, backend, bound, owns_group=False)
 
     enable_flight_recorder(diagnostics_dir if backend == "nccl" else None)
     init_method = config.init_method
@@ -177,7 +198,7 @@ def start(
                 world_size=env.world_size,
                 timeout=datetime.timedelta(seconds=config.timeout_s),
                 # Binding the device up front lets nccl create its communicator eagerly and correctly.
-                device_id=device if backend == "nccl" else None,
+                device_id=bound if backend == "nccl" else None,
             )
     except (dist.DistStoreError, dist.DistNetworkError) as exc:  # torch's own words ("1/2 clients joined")
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
@@ -192,7 +213,7 @@ def start(
         ) from None
     if backend == "gloo":
         _let_gloo_settle_at_exit()
-    return Session(env, backend, device, owns_group=True)
+    return Session(env, backend, bound, owns_group=True)
 
 
 def _joining_report(env: DistEnv, where: str, timeout_s: float) -> WaitReport | contextlib.nullcontext:

@@ -33,7 +33,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     trackers = [t for t in config.monitor.trackers if t != "tensorboard"]
     check_installed(trackers)
     check_servers(trackers)  # within seconds, where the trackers' own clients would wait for minutes
-    backend = distributed.resolve_backend(config.distributed.backend)
+    backend = distributed.resolve_backend(config.distributed.backend, config.training.device)
     check_comm_hook(config.distributed.comm_hook, backend)
     problem = parallel.check_sharding(config, world_size, local_world_size)
     if problem:

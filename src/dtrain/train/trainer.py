@@ -121,7 +121,9 @@ class Trainer:
         if self.session is not None:
             return
         cfg, diagnostics = self.config, self.run_dir / "diagnostics"
-        self.session = distributed.start(cfg.distributed, debug=cfg.monitor.debug, diagnostics_dir=diagnostics)
+        self.session = distributed.start(
+            cfg.distributed, debug=cfg.monitor.debug, diagnostics_dir=diagnostics, device=cfg.training.device
+        )
         self.claim = RunDirClaim(self.run_dir, cfg.run, self.session.is_main, cfg.checkpoint)
         try:
             self._build(self.session)
