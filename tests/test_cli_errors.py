@@ -32,6 +32,16 @@ def refused(result, message: str, tmp_path) -> None:
             "use distributed.backend=gloo (or auto)",
         ),
         (
+            ["--nproc", "2", "data.batch_size=16", "training.global_batch_size=48"],
+            "training.global_batch_size = 48 is not a multiple of data.batch_size × processes = 16 × 2 = 32; "
+            "give a multiple of 32, or another data.batch_size",
+        ),
+        (
+            ["--nproc", "2", "data.batch_size=16", "training.global_batch_size=64", "training.grad_accum_steps=3"],
+            "training.grad_accum_steps = 3 and training.global_batch_size = 64 disagree on 2 process(es) (2 would "
+            "make it); give only one of them",
+        ),
+        (
             ["training.device=cuda"],
             "training.device = 'cuda' needs CUDA GPUs and this process sees none; use training.device=auto or cpu",
         ),

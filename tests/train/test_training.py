@@ -106,6 +106,15 @@ def test_accumulating_4_micro_batches_equals_one_batch_4_times_larger(shared):
     assert_weights_close(weights(out / "accum4"), weights(out / "batch16"))
 
 
+def test_a_global_batch_size_is_split_over_the_processes_as_accumulation(shared):
+    """training.global_batch_size = 32 with data.batch_size = 4 on 2 processes is 4 micro-batches a step:
+    the very run that says grad_accum_steps = 4."""
+    out, results = shared
+    assert results["global32_accum"] == 4
+    assert [m["loss"] for m in train_lines(out / "global32")] == [m["loss"] for m in train_lines(out / "accum4")]
+    assert_weights_close(weights(out / "global32"), weights(out / "accum4"), atol=0, rtol=0)
+
+
 def test_two_ranks_of_b_equal_one_rank_of_2b(shared, tmp_path):
     """The 2-rank × 8 run happened in the shared launch; the 1-rank × 16 run happens here."""
     from scenarios import config, data, fresh_model

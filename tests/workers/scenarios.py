@@ -175,6 +175,12 @@ def shared(out: Path) -> None:
     small = {"data": {"batch_size": 4}}
     dtrain.Trainer(config(out / "accum4", small, grad_accum_steps=4), model=fresh_model(), train_data=train).fit()
     dtrain.Trainer(config(out / "batch16"), model=fresh_model(), train_data=train).fit()
+    # The same accumulation stated as nanoGPT states it: 32 samples a step over the 2 processes.
+    stated = dtrain.Trainer(
+        config(out / "global32", small, global_batch_size=32), model=fresh_model(), train_data=train
+    )
+    stated.fit()
+    results["global32_accum"] = stated.grad_accum_steps
 
     # DDP equivalence: 2 ranks × batch 8 (the 1 rank × 16 side runs in the test process).
     dtrain.Trainer(

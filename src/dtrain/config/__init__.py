@@ -17,6 +17,7 @@ from dtrain.config.job import (
     read_config,
     reference_rows,
     validate,
+    with_global_batch,
 )
 from dtrain.config.sections import (
     CheckpointConfig,
@@ -58,4 +59,5 @@ __all__ = [
     "tomllib",
     "validate",
     "where",
+    "with_global_batch",
 ]

@@ -130,6 +130,30 @@ def validate(config: Config) -> None:
         )
 
 
+def with_global_batch(config: Config, world_size: int) -> Config:
+    """`config` with training.grad_accum_steps made up from training.global_batch_size for `world_size`
+    processes (the same object when it is off): the global batch stays what it says on any number of
+    processes, as nanoGPT divides its accumulation by the world size. A grad_accum_steps of its own (not 1)
+    must agree."""
+    training, batch_size = config.training, config.data.batch_size
+    wanted = training.global_batch_size
+    if not wanted:
+        return config
+    per_step = batch_size * world_size
+    if wanted % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {wanted} is not a multiple of data.batch_size × processes = "
+            f"{batch_size} × {world_size} = {per_step}; give a multiple of {per_step}, or another data.batch_size"
+        )
+    accum = wanted // per_step
+    if training.grad_accum_steps not in (1, accum):
+        raise ConfigError(
+            f"training.grad_accum_steps = {training.grad_accum_steps} and training.global_batch_size = {wanted} "
+            f"disagree on {world_size} process(es) ({accum} would make it); give only one of them"
+        )
+    return dataclasses.replace(config, training=dataclasses.replace(training, grad_accum_steps=accum))
+
+
 def _inside(path: str, folder: str) -> bool:
     resolved = Path(path).expanduser().resolve()
     return Path(folder).expanduser().resolve() in (resolved, *resolved.parents)

@@ -360,6 +360,12 @@ class TrainingConfig(Section):
         "auto: one GPU per process where CUDA sees GPUs, else the CPU; cpu: the CPU even on a GPU "
         "machine (gloo, GPUs hidden from the workers); cuda: refuse to start without GPUs.",
     )
+    global_batch_size: int = setting(
+        0,
+        "Samples per optimizer step over all processes, as nanoGPT states its batch (0: off): "
+        "training.grad_accum_steps becomes global_batch_size / (data.batch_size × processes).",
+        min=0,
+    )
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32", "fp32, bf16 autocast (CPU or CUDA) or fp16 autocast with GradScaler (CUDA)."
     )

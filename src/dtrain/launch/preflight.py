@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dtrain import checkpoint, data, distributed, models, objstore, parallel, rundir
-from dtrain.config import Config, check_model_fits_data
+from dtrain.config import Config, check_model_fits_data, with_global_batch
 from dtrain.errors import ConfigError
 from dtrain.launch import gpus as devices
 from dtrain.observe.tracker_servers import check_servers
@@ -25,6 +25,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download. A line to
     say instead of starting any (a finished run rerun: nothing to train), or None."""
     check_model_fits_data(config)
+    config = with_global_batch(config, world_size)  # the largest world of an elastic range; workers redo it
     run_dir = Path(config.run.dir)
     if objstore.is_url(config.run.dir):  # the store checked, and its run.dir fetched to a staging folder
         run_dir = fetch_for_launcher(config.run.dir, config.checkpoint.keep, world_size == local_world_size)

@@ -20,7 +20,7 @@ import torch
 from dtrain import distributed, rundir
 from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
 from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
-from dtrain.config import Config
+from dtrain.config import Config, with_global_batch
 from dtrain.data import TrainBatches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
@@ -51,8 +51,10 @@ class ResumePlan:
         requeued on another allocation), or with another data.batch_size: the same global sample
         position and global batches, the accumulation changed to make them up (see
         checkpoint.state.regroup); on another number of processes only token data can, other data is
-        refused. The accumulation this run uses (the config is left as it is)."""
-        cfg = self.config
+        refused. The accumulation this run uses (the config is left as it is); training.global_batch_size
+        first makes up the config's own for this world size."""
+        cfg = self.config = with_global_batch(self.config, session.world_size)
+        self.grad_accum_steps = cfg.training.grad_accum_steps
 
         def decide() -> tuple[str, int, int] | None:
             fresh = cfg.run.overwrite and not distributed.later_attempt()
