@@ -168,3 +168,25 @@ def test_an_empty_eval_set_is_said_once_not_evaluated(tmp_path, capfd):
     assert notes == ["note: eval_data holds no samples: this run does not evaluate"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records and all("loss" in record for record in records)
+
+
+def test_a_loss_that_never_changes_is_said_once(tmp_path, capfd):
+    """A loss computed from nothing the model learns (every gradient zero): the same loss in every window,
+    said once after 50 steps, and the run goes on to its end. A run that learns says nothing of it."""
+
+    def constant_loss(output, target):
+        return output.sum() * 0 + 1.0
+
+    sections = {"training": {"epochs": 7, "log_every": 10}, "data": {"batch_size": 8}}  # 12 steps an epoch
+    stuck = dtrain.Trainer(
+        config(tmp_path / "stuck", **sections), model=model(), train_data=data(), loss_fn=constant_loss
+    )
+    stuck.fit()
+    said = [line for line in capfd.readouterr().err.splitlines() if "nothing trains" in line]
+    assert stuck.step == 84 and said == [
+        "warning: the training loss has been exactly 1 for 50 steps (steps 1–50): nothing trains. Check that the "
+        "parameters require gradients, that the loss is computed from the model's output, and that optimizer.lr "
+        "is not 0"
+    ]
+    dtrain.Trainer(config(tmp_path / "learns", **sections), model=model(), train_data=data()).fit()
+    assert "nothing trains" not in capfd.readouterr().err

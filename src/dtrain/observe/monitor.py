@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dtrain.observe.memory import FIELDS as memory_fields
+from dtrain.observe.stall import LossStall
 from dtrain.observe.trackers import ending, open_trackers
 
 # TensorBoard tags for the keys of a metrics record.
@@ -57,6 +58,7 @@ class Monitor:
         run had logged beyond it (the trackers then start new runs: see trackers.py)."""
         self.enabled = enabled
         self._stragglers: tuple = ()
+        self._stall, self._last_step = LossStall(), initial_step  # a loss that never changes: said once
         self._bar = None
         self._writer = None
         self._metrics: IO[str] | None = None
@@ -103,6 +105,11 @@ class Monitor:
             self._bar.set_postfix_str(line.split(" | ", 2)[-1], refresh=False)  # the bar shows progress
         else:
             self.info(line)
+        if "loss" in record:
+            stalled = self._stall.check(record, self._last_step)
+            self._last_step = record["step"]
+            if stalled:
+                self.info(stalled)
         slow = tuple((s["rank"], s["host"]) for s in record.get("stragglers", ()))
         if slow != self._stragglers and "loss" in record:
             self._stragglers = slow
