@@ -42,6 +42,11 @@ def refused(result, message: str, tmp_path) -> None:
             "make it); give only one of them",
         ),
         (
+            ["checkpoint.resume=no", "checkpoint.resume_from=elsewhere"],
+            "checkpoint.resume = 'no' starts fresh and --resume-from (checkpoint.resume_from) continues from a "
+            "checkpoint: choose one",
+        ),
+        (
             ["training.device=cuda"],
             "training.device = 'cuda' needs CUDA GPUs and this process sees none; use training.device=auto or cpu",
         ),

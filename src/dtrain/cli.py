@@ -1,7 +1,8 @@
 """The `dtrain` command line.
 
-    dtrain run CONFIG [--resume] [--nproc N] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]
-                      [--rdzv-timeout S] [--max-restarts R] [--local-addr ADDR] [section.key=value ...]
+    dtrain run CONFIG [--resume | --resume-from PATH] [--nproc N] [--nnodes N] [--node-rank R]
+                      [--rdzv-endpoint HOST:PORT] [--rdzv-timeout S] [--max-restarts R] [--local-addr ADDR]
+                      [section.key=value ...]
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
@@ -19,6 +20,7 @@ trains.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -132,9 +134,17 @@ def cmd_run(argv: Sequence[str]) -> int:
         action="store_true",
         help="continue from the newest complete checkpoint in run.dir (checkpoint.resume=yes)",
     )
+    parser.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="start from this checkpoint (a step-N folder, or a run.dir: its newest) of this or another run, read "
+        "where it is (checkpoint.resume_from=PATH)",
+    )
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
+    if args.resume_from is not None:  # a TOML string, whatever the path holds
+        overrides.append(f"checkpoint.resume_from={json.dumps(args.resume_from)}")
     config, notes = read_config(args.config, overrides)
     refuse_given_in_code(args.config)
     _say_notes([*notes, *idle_settings(config)])

@@ -132,6 +132,41 @@ def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
     assert_same_weights(reference, checkpointed)  # checkpointing changes nothing
 
 
+def test_resume_from_another_runs_checkpoint_reads_it_where_it_is(checkpointed, reference, tmp_path):
+    """--resume-from a step-N folder of another run: a new run.dir goes on from it and ends bitwise where the
+    uninterrupted run ended; the other run's checkpoints stay as they were. A rerun then continues the new
+    run.dir's own checkpoint, newer than the one given."""
+    given = checkpointed / "checkpoints" / "step-20"
+    before = {p: p.stat().st_mtime_ns for p in checkpointed.rglob("*")}
+    branch = tmp_path / "branch"
+    resumed = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10"))
+    assert re.search(rf"^resumed from {re.escape(str(given))} \(step 20 of 39, epoch 2 of 3\)$", resumed.stderr, re.M)
+    assert_same_weights(reference, branch)
+    assert [c.step for c in CheckpointStore(branch).complete()] == [30, 39]
+    assert {p: p.stat().st_mtime_ns for p in checkpointed.rglob("*")} == before  # read, never written
+    assert [m["step"] for m in train_lines(branch)] == list(range(21, 40))
+    rerun = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10"))
+    assert "is already complete (step 39 of 39" in rerun.stderr  # its own step-39 wins: nothing to train
+
+
+def test_resume_from_what_is_not_a_usable_checkpoint_is_one_line(checkpointed, tmp_path):
+    refused(run_job(tmp_path / "a", "--resume-from", str(tmp_path / "nowhere")), "is not a checkpoint")
+    damaged = copy_run(checkpointed, tmp_path / "damaged")
+    target = damaged / "checkpoints" / "step-30" / "state" / "__0_0.distcp"
+    target.write_bytes(target.read_bytes()[:-10])
+    refused(
+        run_job(tmp_path / "b", "--resume-from", str(damaged / "checkpoints" / "step-30")),
+        f"--resume-from {damaged / 'checkpoints' / 'step-30'}: checkpoint step-30 is damaged",
+        "give another checkpoint",
+    )
+    assert (damaged / "checkpoints" / "step-30").is_dir()  # never deleted, nor advised to be
+    own = copy_run(checkpointed, tmp_path / "own")
+    refused(
+        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20")),
+        "is a checkpoint of this run.dir older than its newest, step-39",
+    )
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 

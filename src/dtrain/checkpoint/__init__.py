@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
 from dtrain.checkpoint.state import NOTHING_TO_TRAIN, Parts, Position, epoch_of, regroup
 from dtrain.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
@@ -72,19 +74,19 @@ class Checkpointer:
     def find_resume_point(self) -> Checkpoint | None:
         """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""
 
-        def choose() -> int | None:
+        def choose() -> tuple[int, str] | None:
             self.store.remove_partials()
             checkpoint = self._choose()
             if checkpoint is not None:
-                self.store.check_intact(checkpoint)
-            return checkpoint.step if checkpoint else None
+                check_intact(checkpoint, self.store)
+            return (checkpoint.step, str(checkpoint.path)) if checkpoint else None
 
-        step = _as_checkpoint_error(lambda: rank0_decides(choose, is_main=self.is_main))
-        return None if step is None else Checkpoint(step, self.store.root / f"step-{step}")
+        chosen = _as_checkpoint_error(lambda: rank0_decides(choose, is_main=self.is_main))
+        return None if chosen is None else Checkpoint(chosen[0], Path(chosen[1]))
 
     def _choose(self) -> Checkpoint | None:
         # A restarted group always continues where the failed one left off.
-        return choose_resume(self.store, "auto" if later_attempt() else self.config.resume)
+        return choose_resume(self.store, "auto" if later_attempt() else self.config.resume, self.config.resume_from)
 
     def restore(self, checkpoint: Checkpoint) -> Position:
         from dtrain.checkpoint.tensors import load
@@ -270,9 +272,12 @@ def _as_checkpoint_error(collective: Callable[[], T]) -> T:
         raise CheckpointError(str(exc)) from None
 
 
-def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
-    """The checkpoint `checkpoint.resume = mode` continues from, or a refusal."""
+def choose_resume(store: CheckpointStore, mode: str, resume_from: str = "") -> Checkpoint | None:
+    """The checkpoint `checkpoint.resume = mode` continues from (`resume_from`: the one given, see
+    given_checkpoint), or a refusal."""
     newest = store.newest()
+    if resume_from:
+        return given_checkpoint(resume_from, store)
     if mode == "no" and newest is not None:
         raise CheckpointError(
             f"run.dir {store.root.parent} already holds checkpoints (newest {newest.name}); continue "
@@ -287,20 +292,77 @@ def choose_resume(store: CheckpointStore, mode: str) -> Checkpoint | None:
     return newest if mode != "no" else None
 
 
+def given_checkpoint(path: str, store: CheckpointStore | None) -> Checkpoint:
+    """The checkpoint --resume-from PATH names (a step-N folder, or a run.dir: its newest), read where it is
+    and checked whole. run.dir's own checkpoints (`store`; None: a fresh start, they go) continue the run
+    started from it, so its newest wins once newer (a rerun, a restart); one not newer would be silently
+    replaced by the run's first checkpoints, and is refused."""
+    checkpoint = _given(path)
+    newest = store.newest() if store is not None else None
+    if newest is None:
+        return checkpoint
+    ours = checkpoint.path.resolve().parent == newest.path.resolve().parent
+    if (newest.step == checkpoint.step) if ours else (newest.step > checkpoint.step):
+        return newest
+    if ours:
+        raise CheckpointError(
+            f"--resume-from {path} is a checkpoint of this run.dir older than its newest, {newest.name}; to go on "
+            f"from it give another run.dir (these checkpoints stay as they are)"
+        )
+    raise CheckpointError(
+        f"run.dir {newest.path.parent.parent} holds {newest.name}, not newer than --resume-from's "
+        f"step-{checkpoint.step}; give an empty run.dir, or run.overwrite=true to replace its outputs"
+    )
+
+
+def _given(text: str) -> Checkpoint:
+    """--resume-from's checkpoint: the step-N folder itself, or the newest of a run.dir (or of its
+    checkpoints/ folder), its files checked against its marker."""
+    path = Path(text).expanduser()
+    named = re.fullmatch(r"step-(\d+)", path.name)
+    if named and path.name == f"step-{int(named.group(1))}" and (path / MARKER).is_file():
+        checkpoint: Checkpoint | None = Checkpoint(int(named.group(1)), path)
+    elif (path / "checkpoints").is_dir() or (path.name == "checkpoints" and path.is_dir()):
+        checkpoint = CheckpointStore(path.parent if path.name == "checkpoints" else path).newest()
+        if checkpoint is None:
+            raise CheckpointError(f"--resume-from {text} holds no complete checkpoint; give a step-N folder")
+    else:
+        checkpoint = None
+    if checkpoint is None:
+        raise CheckpointError(
+            f"--resume-from {text} is not a checkpoint: give a complete step-N folder (holding {MARKER}) or a run.dir"
+        )
+    return checkpoint
+
+
+def check_intact(checkpoint: Checkpoint, store: CheckpointStore) -> dict[str, Any]:
+    """The marker of the checkpoint a run resumes from, every file checked against it: run.dir's own, or
+    --resume-from's, whose refusal never advises deleting it (that advice is for a run.dir's own)."""
+    if checkpoint.path.parent.resolve() == store.root.resolve():
+        return store.check_intact(checkpoint)
+    try:
+        return CheckpointStore(checkpoint.path.parent.parent).check_intact(checkpoint)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"--resume-from {checkpoint.path}: {str(exc).split('; ')[0]}; give another checkpoint"
+        ) from None
+
+
 def resume_geometry(
     config: CheckpointConfig, run_dir: Path, fresh: bool = False, verify: bool = False
 ) -> tuple[str, int, int] | None:
     """(name, world size, samples per process per step) of the checkpoint a run would continue from,
     read from its marker without touching anything (`verify`: every file checked against it too);
     None for a fresh start, or a marker the resume itself will judge."""
-    if fresh:
-        return None
     store = CheckpointStore(run_dir)
-    checkpoint = choose_resume(store, "auto" if later_attempt() else config.resume)
+    if fresh:  # run.dir's own checkpoints go: only --resume-from's counts
+        checkpoint = given_checkpoint(config.resume_from, None) if config.resume_from else None
+    else:
+        checkpoint = choose_resume(store, "auto" if later_attempt() else config.resume, config.resume_from)
     if checkpoint is None:
         return None
     if verify:
-        meta = store.check_intact(checkpoint)
+        meta = check_intact(checkpoint, store)
     else:
         try:
             meta = checkpoint.meta()
@@ -348,7 +410,8 @@ def finished(
     if config.run.overwrite and not later_attempt():  # a fresh start
         return None
     store = CheckpointStore(run_dir)
-    checkpoint = choose_resume(store, "auto" if later_attempt() else config.checkpoint.resume)
+    mode = "auto" if later_attempt() else config.checkpoint.resume
+    checkpoint = choose_resume(store, mode, config.checkpoint.resume_from)
     if checkpoint is None or not (run_dir / "model.safetensors").is_file():
         return None
     try:

@@ -122,6 +122,11 @@ def validate(config: Config) -> None:
             "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues "
             "from a checkpoint: choose one"
         )
+    if config.checkpoint.resume_from and config.checkpoint.resume == "no":
+        raise ConfigError(
+            "checkpoint.resume = 'no' starts fresh and --resume-from (checkpoint.resume_from) continues from a "
+            "checkpoint: choose one"
+        )
     weights = config.model.weights
     if weights and config.run.overwrite and _inside(weights[1], config.run.dir):
         raise ConfigError(

@@ -470,6 +470,11 @@ class CheckpointConfig(Section):
         "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
         "must (what --resume sets); no: start fresh, refusing a run.dir that holds checkpoints.",
     )
+    resume_from: str = setting(
+        "",
+        "Start from this checkpoint (a step-N folder, or a run.dir: its newest) of this or another run, read where "
+        "it is, never copied or changed (what --resume-from sets); run.dir's own newer checkpoints win on a rerun.",
+    )
     # The TOML key `async` is a Python keyword: the field carries PEP 8's trailing underscore (key_name).
     async_: bool = setting(
         False,
