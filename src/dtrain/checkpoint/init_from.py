@@ -17,6 +17,9 @@ It loads after the strategy has spread the model, not before: under FSDP a param
 holding only this rank's rows, and each rank reads just those rows from the file (or DCP reads them from
 a checkpoint, resharding), so no rank ever reads or holds the whole model's weights. Loaded before
 `fully_shard`, every rank would read every tensor whole. Under DDP every rank holds (and reads) it all.
+Nor does a rank build the whole model first: the worker builds its parameters on the meta device
+(models/empty.py) and each rank gives memory to its own shards only (parallel/deferred.py), uninitialised
+until read into. So every one of the model's tensors must be in the file: one missing is refused.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ The model is built from the folder's config.json, as `from_pretrained` would bui
 `model.options` override the config's attributes, as `from_pretrained(PATH, **kwargs)` does (e.g.
 `{resid_pdrop = 0.0}`). The weights are the folder's: the Trainer reads them into the model at the
 start of a new run, through the same loader as `model.init_from` (checkpoint/init_from.py), after the
-strategy has spread the model, so that under FSDP each process reads only its shard. Nothing is
+strategy has spread the model, so that under FSDP each process reads only its shard (and builds only
+its shard: the worker builds the parameters on the meta device, models/empty.py). Nothing is
 downloaded, and no code from the folder is run (no `trust_remote_code`).
 
 On token data (`data.name = tokens`) the model is called with the input ids and its logits are scored

@@ -19,8 +19,9 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError
-from dtrain.parallel import blocks
+from dtrain.parallel import blocks, deferred
 from dtrain.parallel.base import Strategy
+from dtrain.parallel.deferred import to_device as to_device
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.observer import CommObserver
 
@@ -33,13 +34,20 @@ def shards_state(config: Config) -> bool:
     return config.distributed.strategy in SHARDED
 
 
+def builds_on_meta(config: Config, world_size: int) -> bool:
+    """Whether the worker builds the model with its parameters on the meta device (deferred.py): when a
+    sharding strategy spreads it over processes and a file's weights fill it."""
+    return shards_state(config) and world_size > 1 and config.model.weights is not None
+
+
 def build(config: Config, session: Session, module: nn.Module, observer: CommObserver) -> Strategy:
-    """Spread `module` (already on its device) as `distributed.strategy` says; `observer` (the step
-    timer) hears of the gradient communication."""
+    """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
+    device) as `distributed.strategy` says; `observer` (the step timer) hears of the gradient communication."""
     problem = check_sharding(config, session.world_size, session.env.local_world_size)
     if problem:
         raise ConfigError(problem)
     sharded = shards_state(config)
+    deferred.check(module, config, sharded=sharded and session.world_size > 1)
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from dtrain.config import Config
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError
+from dtrain.parallel import deferred
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.blocks import check_unshared
 from dtrain.parallel.dims import ParallelDims
@@ -61,6 +62,9 @@ class FSDP(Strategy):
             offload_policy=offload,
         )
         self.units = len(units)
+        # A model built on the meta device: each rank's shards get memory now, where they live (the CPU
+        # with offload), and the weights the run starts from fill them.
+        deferred.materialise(module, torch.device("cpu") if dc.fsdp_cpu_offload else session.device)
 
     def sync_gradients(self, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and skips the reduce-scatter (and HSDP's all-reduce).

@@ -149,7 +149,7 @@ class Trainer:
         sampler = train_sampler(n, rank, world, cfg.data.batch_size, cfg.run.seed, accum, global_order)
         self.train_batches = batches = TrainBatches(self.train_data, sampler, cfg.data, accum, device, self.collate_fn)
         advice.check_full_batches(batches.steps_per_epoch, cfg.data.batch_size, sampler.num_samples)
-        self.module.to(device)
+        parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips = self.precision.scaler.is_enabled()
         self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, self.loss_of, skips)

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from dtrain import data, distributed, models
+from dtrain import data, distributed, models, parallel
 from dtrain.config import Config
 from dtrain.data import tokens
 from dtrain.distributed.failures import record_failure
 from dtrain.errors import EXIT_USAGE, DtrainError, Preempted, Rank0Missing
+from dtrain.models.empty import parameters_on_meta
 from dtrain.rundir.mirror import local_dir
 from dtrain.train.trainer import Trainer
 
@@ -35,15 +36,24 @@ def run(config: Config) -> dict[str, Any]:
         splits = data.build(config)
         for note in splits.notes if session.is_main else ():
             print(f"note: {note}", file=sys.stderr, flush=True)
-        torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
-        models.check_kind(config, data.kind_of(config, splits.train))  # also where no launcher checked
-        model = models.build(config.model, splits.input_shape, splits.num_classes)
-        trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
-        trainer.plan.described_by_config = True  # config.toml: [model] and [data] are what trained
+        trainer = build_trainer(config, session, splits)
         if config.data.name == "tokens":
             trainer.setup()  # run.dir taken: keep the tokenizer beside the weights, for `dtrain generate`
             distributed.rank0_decides(lambda: _keep_tokenizer(config), is_main=session.is_main)
         return trainer.fit()
+
+
+def build_trainer(config: Config, session: distributed.Session, splits: data.DataSplits) -> Trainer:
+    """The Trainer of a config-described job: its model built from model.name. Under FSDP from a file's
+    weights the model's parameters are built on the meta device: no rank ever holds the whole model, each
+    gives memory to its own shards only (parallel/deferred.py) and reads its rows of the file into them."""
+    torch.manual_seed(config.run.seed)  # the same initial weights on every rank, run after run
+    models.check_kind(config, data.kind_of(config, splits.train))  # also where no launcher checked
+    with parameters_on_meta(parallel.builds_on_meta(config, session.world_size)):
+        model = models.build(config.model, splits.input_shape, splits.num_classes)
+    trainer = Trainer(config, model=model, train_data=splits.train, eval_data=splits.eval)
+    trainer.plan.described_by_config = True  # config.toml: [model] and [data] are what trained
+    return trainer
 
 
 def _keep_tokenizer(config: Config) -> None:
