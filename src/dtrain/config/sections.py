@@ -220,7 +220,7 @@ class ModelConfig(Section):
         "run.dir (its model.safetensors, else its newest checkpoint) or a checkpoints/step-N folder. "
         "Names and shapes must match the model (a GPT-2 folder dtrain export wrote also starts the built-in "
         "gpt). A resumed run continues from its checkpoint instead. "
-        "Under FSDP each process reads only its shard.",
+        "Under FSDP each process builds and reads only its shard.",
     )
     hidden_size: int = setting(1024, "Hidden width of the built-in mlp.", min=1, max=2**20)
     options: dict = setting(
