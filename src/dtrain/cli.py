@@ -11,6 +11,7 @@
     dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
     dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
     dtrain export RUN_DIR --format hf [--step N]      the weights as a Hugging Face model folder
+                                                      (RUN_DIR and --out may be s3:// URLs)
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
 `python -m dtrain run ...` again in every worker; a worker (torchrun, srun or mpirun set its rank)
@@ -256,13 +257,22 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
 def cmd_report(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain report", description="Plots and a summary of a run, written to RUN_DIR/report/.")
-    parser.add_argument("run_dir", help="a run.dir a dtrain run wrote metrics.jsonl to")
+    parser.add_argument(
+        "run_dir", help="a run.dir a dtrain run wrote metrics.jsonl to (or its URL: the report is written locally)"
+    )
     args = parser.parse_args(argv)
     from pathlib import Path
 
+    from dtrain import objstore
     from dtrain.commands.report import write_report
 
-    out = write_report(Path(args.run_dir))
+    if objstore.is_url(args.run_dir):  # its metrics copied down; the report kept in a folder of this machine
+        from dtrain.rundir import reading
+
+        with reading.fetched(args.run_dir, "none", into=reading.report_folder(args.run_dir)) as copy:
+            out = write_report(copy.path)
+    else:
+        out = write_report(Path(args.run_dir))
     print((out / "summary.txt").read_text(), end="")
     print(f"plots: {', '.join(sorted(p.name for p in out.glob('*.png')))} in {out}")
     return 0
@@ -351,7 +361,8 @@ def cmd_prepare(argv: Sequence[str]) -> int:
 def cmd_generate(argv: Sequence[str]) -> int:
     parser = _Parser(prog="dtrain generate", description="Print a sample from a language model a run trained.")
     parser.add_argument(
-        "run_dir", help="a run's run.dir: its model.safetensors, or its newest checkpoint where that is newer"
+        "run_dir",
+        help="a run's run.dir (or its URL): its model.safetensors, or its newest checkpoint where that is newer",
     )
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
@@ -373,12 +384,14 @@ def cmd_export(argv: Sequence[str]) -> int:
         description="Write a run's weights as a Hugging Face model folder (config.json, safetensors, tokenizer) "
         "that transformers' AutoModelForCausalLM.from_pretrained loads.",
     )
-    parser.add_argument("run_dir", help="a run's run.dir: the built-in gpt or a Hugging Face model")
+    parser.add_argument("run_dir", help="a run's run.dir (or its URL): the built-in gpt or a Hugging Face model")
     parser.add_argument("--format", required=True, metavar="hf", help="hf: a Hugging Face model folder")
     parser.add_argument(
         "--step", type=int, default=None, metavar="N", help="checkpoint step-N instead of the final weights"
     )
-    parser.add_argument("--out", default=None, metavar="DIR", help="the folder to write (default RUN_DIR/hf)")
+    parser.add_argument(
+        "--out", default=None, metavar="DIR", help="the folder (or s3:// prefix) to write (default RUN_DIR/hf)"
+    )
     parser.add_argument(
         "--max-shard-size",
         default="",

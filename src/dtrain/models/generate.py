@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dtrain import models
+from dtrain import models, objstore
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.config import read_config
@@ -41,14 +41,33 @@ def generate(
     top_k: int = 50,
     seed: int = 0,
 ) -> str:
-    """The prompt and its continuation, as text."""
+    """The prompt and its continuation, as text. A run.dir URL is read through a local copy of what
+    sampling needs (see rundir.reading), without taking the run's lease."""
+    if objstore.is_url(run_dir):
+        from dtrain.rundir import reading
+
+        with reading.fetched(str(run_dir), "newest") as copy:
+            return _generate(copy.path, prompt, max_new_tokens, temperature, top_k, seed, copy.training, copy.url)
+    return _generate(Path(run_dir), prompt, max_new_tokens, temperature, top_k, seed)
+
+
+def _generate(
+    run_dir: Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    training: bool | None = None,
+    shown: str = "",
+) -> str:
     from dtrain.checkpoint.export import load_weights
     from dtrain.checkpoint.tensors import read_model_weights
     from dtrain.data.prepare import load_tokenizer
 
-    run_dir = Path(run_dir)
     config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
-    training = RunDirLock(run_dir).held()
+    training = RunDirLock(run_dir).held() if training is None else training
+    run_dir_said = shown or str(run_dir)  # the notes name the URL, not the local copy
     if not config_file.is_file():
         if training:
             raise DtrainError(f"{run_dir} is still training and has no config.toml yet; generate once it has")
@@ -80,13 +99,13 @@ def generate(
     if checkpoint is not None:  # said once the run is known to be one generate can sample
         why = "is still training" if training else "has no model.safetensors" if not weights.is_file() else None
         print(
-            f"note: {run_dir} {why or 'has a checkpoint newer than its model.safetensors'}; this sample is "
+            f"note: {run_dir_said} {why or 'has a checkpoint newer than its model.safetensors'}; this sample is "
             f"from its newest checkpoint, {checkpoint.name} (step {checkpoint.step})",
             file=sys.stderr,
         )
     elif training:  # a resumed run with no checkpoint of its own yet: the weights are its last finish's
         print(
-            f"note: {run_dir} is still training; this sample is from the {weights.name} of its last finish",
+            f"note: {run_dir_said} is still training; this sample is from the {weights.name} of its last finish",
             file=sys.stderr,
         )
     kept = tokens.read_kept_tokenizer_meta(run_dir)  # what the run trained with, kept beside its weights
