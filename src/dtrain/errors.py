@@ -50,5 +50,18 @@ class Preempted(Exception):
     exit_code = EXIT_REQUEUE
 
 
+# Exit status of a run that stopped because another run took its run.dir over (the lease on an object store
+# lost: see rundir/lease.py): EX_CANTCREAT from sysexits.h, "cannot create output". Not 75: requeued, the
+# run would only be refused (or fight the new holder); not 2: no input of the user's was wrong.
+EXIT_RUN_DIR_LOST = 73
+
+
+class RunDirLost(DtrainError):
+    """Rank 0 lost run.dir's lease while the run lived: the group stopped at a step boundary, every rank
+    together, and wrote nothing more to the store (another run owns it now)."""
+
+    exit_code = EXIT_RUN_DIR_LOST
+
+
 # Exit status of a run the hang watchdog ended (as `timeout` reports it).
 EXIT_HANG = 124

@@ -3,16 +3,21 @@ export written to a store (`--out s3://…`), and a run that loses its lease whi
 S3 protocol server on loopback (moto's server mode, tests/s3server.py). Nothing of fsspec, s3fs or boto is
 mocked. One GPT run on the bucket serves every read: its local run.dir is a plain download of the bucket."""
 
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import dtrain, ok
+from helpers import ROOT, dtrain, env, ok
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
 
@@ -149,3 +154,80 @@ def test_a_run_dir_url_the_commands_cannot_read_is_one_line(s3, gpt_on_the_bucke
         f"--out {s3.url('exports/theirs')} holds notes.txt, which an export does not write",
     )
     assert not list(reader.glob("dtrain/run-reads/read-*")) and not list(reader.glob("dtrain/run-reads/export-*"))
+
+
+# A synthetic job slowed to about 0.2 s a step, 2 processes, long enough to have its lease taken from it.
+SLOW = [
+    "examples/digits_mlp.toml",
+    "--nproc",
+    "2",
+    "data.name=synthetic",
+    "data.num_samples=4000",
+    "data.input_shape=[12]",
+    "data.num_classes=3",
+    "data.batch_size=16",
+    "model.name=faults:dying_mlp",
+    "model.options={hidden_size = 32, step_sleep_s = 0.2}",
+    "training.epochs=1",
+    "training.log_every=1",
+    "checkpoint.every_steps=1000",  # one at the end only: a run stopped before it has none
+]
+
+
+def test_a_run_whose_lease_is_taken_over_stops_and_writes_nothing_more(s3, tmp_path):
+    """Another run takes the lease over (as after an expiry): the run stops at its next step with one line
+    naming run.dir and what happened, exit 73, no checkpoint, and the store stays as the new holder left it."""
+    prefix = "runs/taken"
+    url, fs = s3.url(prefix), s3.filesystem()
+    lease, metrics = f"{s3.bucket}/{prefix}/.lease", f"{s3.bucket}/{prefix}/metrics.jsonl"
+    extra = {**on(s3, tmp_path), "DTRAIN_LEASE_TERM_S": "3"}  # renewed every second
+    run = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *SLOW, f"run.dir={url}"],
+        cwd=ROOT,
+        env=env(**extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while b'"loss"' not in (fs.cat_file(metrics) if fs.exists(metrics) else b""):  # training, and sending
+            assert run.poll() is None and time.time() < deadline, run.communicate()
+            time.sleep(0.2)
+            fs.invalidate_cache()
+        # The new holder takes the lease (as after an expiry), then writes there as the run.dir's owner.
+        new_holder = {
+            "host": "elsewhere",
+            "pid": 4242,
+            "run": "the-new-one",
+            "since": "now",
+            "expires": time.time() + 600,
+        }
+        taken_at = len(s3.requests())
+        fs.pipe_file(lease, json.dumps(new_holder).encode())
+        while not [
+            r for r in s3.requests()[taken_at:] if r[0] == "PUT" and r[1].startswith(f"/{lease}") and r[2] == 412
+        ]:
+            assert run.poll() is None and time.time() < deadline, run.communicate()
+            time.sleep(0.1)  # until the run's renewal finds it taken
+        found_at = len(s3.requests())
+        fs.pipe_file(metrics, b"")
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    lines = [line for line in (out + err).splitlines() if line.startswith("dtrain:")]
+    assert run.returncode == 73, (run.returncode, out, err)
+    said = f"dtrain: error: run.dir {url}: another run took its lease over (pid 4242 on elsewhere, run the-new-one"
+    assert len(lines) == 1 and lines[0].startswith(said), lines
+    assert re.search(r"; this run stopped at step \d+ and wrote nothing more there$", lines[0]), lines[0]
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(lease)) == new_holder and fs.cat_file(metrics) == b""
+    assert not fs.exists(f"{s3.bucket}/{prefix}/model.safetensors") and not fs.exists(
+        f"{s3.bucket}/{prefix}/checkpoints"
+    )
+    # Nothing written there once the run knew: its own requests after that are reads, or refused.
+    after = [r for r in s3.requests()[found_at:] if f"/{prefix}/" in r[1] and r[0] in ("PUT", "POST", "DELETE")]
+    assert all(status >= 400 for _, _, status in after[1:]), after  # [0]: the new holder's metrics
+    # No checkpoint at the stop, not even in the local staging folder.
+    assert not list(tmp_path.glob("dtrain/run-dirs/*/checkpoints/step-*")), list(tmp_path.glob("dtrain/run-dirs/*/*"))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from dtrain import distributed
 from dtrain.distributed import netaddr
 from dtrain.distributed.waiting import EndpointWait, wait_for_endpoint
-from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_USAGE, ConfigError
+from dtrain.errors import EXIT_HANG, EXIT_REQUEUE, EXIT_RUN_DIR_LOST, EXIT_USAGE, ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -220,7 +220,7 @@ def _print_first_failure(exc: ChildFailedError) -> int:
 
 
 # Exit statuses whose worker's message is one line meant for people (see distributed.failures).
-SAID_AS_IT_IS = (EXIT_USAGE, EXIT_HANG, EXIT_REQUEUE)
+SAID_AS_IT_IS = (EXIT_USAGE, EXIT_HANG, EXIT_REQUEUE, EXIT_RUN_DIR_LOST)
 
 
 def _written_by_worker(failure: ProcessFailure) -> bool:

@@ -40,11 +40,14 @@ class RunDirClaim:
         self.replaced_whose = ""  # whose they were, for the line saying so
         self.fresh = False  # what run.dir holds is this run's own: set once it knows it resumes nothing
 
-    def take(self, module: nn.Module) -> None:
+    def take(self, module: nn.Module, on_lost: Callable[[str], None] | None = None) -> None:
         """Rank 0 checks run.dir (usable; no other program's files), locks it for the life of the run
         (two live runs must never share it), checks that an earlier run's outputs may go (when told to
         replace them, or the run that is over now did no lasting work) and that the final weights will
-        fit, and only then deletes those outputs (see rundir); a refusal is raised on every rank."""
+        fit, and only then deletes those outputs (see rundir); a refusal is raised on every rank. `on_lost`:
+        told the line if the run loses the lease on a store later (the run must then stop: train.stopping)."""
+        if self.lease is not None:
+            self.lease.on_lost = on_lost
 
         def decide() -> tuple[str, list[str]]:
             again = distributed.later_attempt()

@@ -6,6 +6,8 @@ starting together exactly one gets it), renewed from a thread every third of its
 ETag it last wrote: a renewal never overwrites a lease someone else took), deleted at release. A holder
 that died (kill -9, a lost node) stops renewing; once its lease has expired the next run takes it over
 (If-Match again, so two runs taking over the same dead lease cannot both win) and says so in one line.
+A live run that loses its lease — a renewal finding it taken over, or renewals failing for longer than
+its term — sends nothing more to the store and stops at its next step boundary (exit 73, RunDirLost).
 Locally the flock in rundir/lock.py stays (no store, no clock).
 """
 
@@ -23,7 +25,9 @@ from dtrain import objstore
 from dtrain.errors import DtrainError
 
 NAME = ".lease"
-TERM_S = 60.0  # how long a lease outlives its last renewal: a dead run's run.dir is free a minute later
+# How long a lease outlives its last renewal: a dead run's run.dir is free a minute later. The tests shorten
+# it (DTRAIN_LEASE_TERM_S) to see a lease lost while a run trains without waiting minutes.
+TERM_S = float(os.environ.get("DTRAIN_LEASE_TERM_S") or 60.0)
 
 
 class RunDirLease:
@@ -36,12 +40,16 @@ class RunDirLease:
         term_s: float = TERM_S,
         say: Callable[[str], None] | None = None,
         every_renewal: Callable[[], None] | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ):
         self.url, self.run, self.term_s = objstore.join(url, NAME), run, term_s
         self.every_renewal = every_renewal  # also done from the renewing thread (the run's outputs sent)
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.took_over = ""  # the line saying whose expired lease acquire() took over, if it did
-        self.lost = False  # set when a renewal found the lease taken by another run
+        self.lost = False  # set when a renewal found the lease taken by another run, or failed past its term
+        # Told (instead of `say`) the line saying so: the run then stops writing (train.stopping, RunDirLost).
+        self.on_lost = on_lost
+        self._renewed = time.monotonic()  # when the store last took this run's lease
         self._etag: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,6 +65,7 @@ class RunDirLease:
         except objstore.Conflict:
             self._take_over()
         self._stop.clear()
+        self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._renew_until_stopped, name="dtrain-lease", daemon=True)
         self._thread.start()
 
@@ -85,14 +94,20 @@ class RunDirLease:
             return
         try:
             self._etag = objstore.write_bytes(self.url, self._body(), "run.dir", if_etag=self._etag)
+            self._renewed = time.monotonic()
         except objstore.Conflict:
-            self.lost = True
             held = self._read()
-            holder = _holder(held[0]) if held else "nobody"
-            self.say(
-                f"dtrain: the lease on run.dir {self.url} was taken over by another run ({holder}) after this "
-                f"run failed to renew it in time; two runs may now be writing there"
-            )
+            holder = _holder(held[0]) if held else "nobody holds it now"
+            self._lose(f"another run took its lease over ({holder}) after this run failed to renew it in time")
+
+    def _lose(self, what: str) -> None:
+        """The lease is no longer this run's: nothing more is sent (see rundir.claim) and the run stops."""
+        self.lost = True
+        line = f"run.dir {self.url.rsplit('/', 1)[0]}: {what}"
+        if self.on_lost is not None:
+            self.on_lost(line)
+        else:
+            self.say(f"dtrain: {line}; this run sends nothing more there")
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.term_s / 3):
@@ -101,7 +116,14 @@ class RunDirLease:
                 if self.every_renewal is not None and not self.lost:
                     self.every_renewal()
             except (objstore.StorageError, OSError) as exc:  # the store did not answer this time: the next may
-                self.say(f"dtrain: could not renew the lease on run.dir or send its outputs ({exc}); trying again")
+                failing = time.monotonic() - self._renewed
+                if failing > self.term_s and not self.lost:  # expired by now: another run may hold it
+                    self._lose(
+                        f"its lease could not be renewed for {failing:.0f} s, longer than its {self.term_s:g} s term "
+                        f"(last: {exc}), so another run may own run.dir now"
+                    )
+                else:
+                    self.say(f"dtrain: could not renew the lease on run.dir or send its outputs ({exc}); trying again")
             if self.lost:
                 return
 

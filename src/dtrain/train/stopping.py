@@ -4,6 +4,10 @@ The handler only sets a flag: the step in flight finishes, the ranks agree at th
 all-reduce (every `training.log_every` steps, sooner where steps are slow: StopAgreement.pace, agreed
 again at every log step; every step in a one-process run), write one checkpoint and exit with
 EXIT_REQUEUE. `training.stop_at_step` stops a run at a planned step instead (StopAgreement.step_reached).
+
+The same flag stops a run whose run.dir another run took over (rank 0's lease on an object store lost,
+see rundir/lease.py): agreed at the same points, but then every rank raises RunDirLost (exit 73) at once,
+with no checkpoint: nothing more may be written there.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 from dtrain import distributed, early_stop
 from dtrain.config import CheckpointConfig, TrainingConfig
-from dtrain.errors import Preempted
+from dtrain.errors import Preempted, RunDirLost
 
 
 class StopRequest:
@@ -22,7 +26,13 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.run_dir_lost = ""  # the line saying why run.dir is no longer this run's (see lose_run_dir)
         self._previous = None
+
+    def lose_run_dir(self, line: str) -> None:
+        """From the lease's thread: run.dir is another run's now; stop as on SIGTERM, but write nothing."""
+        self.run_dir_lost = line
+        self.requested = True
 
     def install(self) -> None:
         # Signals reach the main thread only; installed twice (set-up, then fit) it stays one handler.
@@ -61,12 +71,25 @@ class StopAgreement:
         self.training, self.checkpoint, self.world_size = training, checkpoint, world_size
         self.request = request or StopRequest()
         self.check_every = training.log_every  # steps between agreements off log steps: see pace
+        self.left_together = False  # every rank raised RunDirLost at the same step
 
     def step_reached(self, step: int, total_steps: int) -> bool:
         """Whether the run has reached `training.stop_at_step` — or its end, where that lies beyond it (a
         checkpoint is written there too, so the command without it continues or finds the run complete)."""
         stop_at = self.training.stop_at_step
         return stop_at > 0 and step >= min(stop_at, total_steps)
+
+    def decide(self, stop: bool, step: int, total: int) -> tuple[bool, bool]:
+        """(whether the group stops at `step` as on SIGTERM, whether at training.stop_at_step). `stop`: a
+        stop agreed (at the last step the run's end writes its checkpoint instead). Where rank 0 lost
+        run.dir, every rank raises RunDirLost here, before any checkpoint: one more gather, only on a stop."""
+        if stop:
+            lost = self.request.run_dir_lost
+            lost = max(distributed.gather_objects(lost)) if self.world_size > 1 else lost
+            if lost:
+                self.left_together = True
+                raise RunDirLost(f"{lost}; this run stopped at step {step} and wrote nothing more there")
+        return stop and step < total, self.step_reached(step, total)
 
     def requested_by_any(self) -> bool:
         """Whether any rank got SIGTERM so far (one gather): asked before the first step (a SIGTERM

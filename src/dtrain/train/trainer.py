@@ -168,7 +168,7 @@ class Trainer:
         assert self.optimizer and self.scheduler and self.precision and self.metrics and self.train_batches
         cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps
         self.stop_request.install()  # from here a SIGTERM must not end the process mid-write
-        claim.take(self.module)
+        claim.take(self.module, self.stop_request.lose_run_dir)  # the lease on a store lost: the run stops
         held = (self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank, session.world_size)
         per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
         identity, spread = resume.identity(cfg, len(self.train_data)), resume.spread(cfg)  # type: ignore[arg-type]
@@ -198,7 +198,7 @@ class Trainer:
         watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, rank, world, self.run_dir)
         self._left_together = False
         with contextlib.ExitStack() as held:  # released in reverse order: the process group last
-            held.callback(lambda: distributed.stop(session, self._left_together))
+            held.callback(lambda: distributed.stop(session, self._left_together or stopping.left_together))
             held.callback(claim.release)
             held.callback(lambda: None if self._left_together else claim.forget(self.step, monitor.close))
             held.enter_context(stopping.request)  # SIGTERM asks the run to stop: see stopping.py
@@ -248,7 +248,7 @@ class Trainer:
                 stopping.repace(last)  # the window's step time, the same on every rank: the pace again
             else:
                 preempted = stopping.between_log_steps(self.step)
-            preempted, planned_stop = preempted and self.step < total, stopping.step_reached(self.step, total)
+            preempted, planned_stop = stopping.decide(preempted, self.step, total)  # run.dir lost: raises
             if self.checkpointer.due(self.step, last=self.step == total, forced=preempted or planned_stop):
                 self._save_checkpoint(background=not preempted)  # with checkpoint.async; a stop waits for it
             if preempted:

@@ -19,7 +19,7 @@ from dtrain import data, distributed, models, parallel
 from dtrain.config import Config
 from dtrain.data import tokens
 from dtrain.distributed.failures import record_failure
-from dtrain.errors import EXIT_USAGE, DtrainError, Preempted, Rank0Missing
+from dtrain.errors import DtrainError, Preempted, Rank0Missing
 from dtrain.models.empty import parameters_on_meta
 from dtrain.rundir.mirror import local_dir
 from dtrain.train.trainer import Trainer
@@ -122,7 +122,7 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
             # Only rank 0 prints: under plain torchrun the first rank to exit gets the others stopped,
             # and rank 0, reaching the same error a moment later, would be stopped before saying it.
             time.sleep(2.0)
-        return EXIT_USAGE
+        return exc.exit_code  # 2 for bad input; 73 for a run.dir another run took over (RunDirLost)
     except Exception as exc:
         record_failure(f"{type(exc).__name__}: {exc}", rank, traceback_text=traceback.format_exc())
         return 1
