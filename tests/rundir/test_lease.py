@@ -3,6 +3,7 @@ on loopback: one holder at a time, renewed while it lives, taken over (with a li
 holder's lease has expired, and of two runs taking over the same dead lease exactly one wins."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -79,3 +80,33 @@ def test_a_killed_holders_lease_is_taken_over_once_expired_by_exactly_one_run(s3
         winner.release()
     finally:
         holder.kill()
+
+
+def test_renewals_failing_for_longer_than_the_term_lose_the_lease_and_say_so_once(s3_here):
+    """A store that stops taking the renewals (here: its bucket deleted under the run) is a lease lost once
+    the term has passed: another run may take it from then on. The run is told (on_lost), once."""
+    import boto3
+
+    store = boto3.client(
+        "s3", endpoint_url=s3_here.endpoint, aws_access_key_id=s3_here.key, aws_secret_access_key=s3_here.secret
+    )
+    store.create_bucket(Bucket="dtrain-lease-gone")
+    url = "s3://dtrain-lease-gone/run"
+    told: list[str] = []
+    lease = RunDirLease(url, run="first", term_s=1.5, on_lost=told.append)
+    lease.acquire()
+    try:
+        store.delete_object(Bucket="dtrain-lease-gone", Key="run/.lease")  # then the bucket: renewals fail
+        store.delete_bucket(Bucket="dtrain-lease-gone")
+        deadline = time.time() + 20
+        while not lease.lost and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # a renewal more would say it again
+    finally:
+        lease.release()
+    assert lease.lost and not lease.held and len(told) == 1, told
+    assert re.match(
+        r"run\.dir s3://dtrain-lease-gone/run: its lease could not be renewed for \d+ s, longer than its 1\.5 s "
+        r"term \(last: .*\), so another run may own run\.dir now$",
+        told[0],
+    ), told
