@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dtrain.errors import EXIT_USAGE, ConfigError, DtrainError, Preempted
+from dtrain.errors import ConfigError, DtrainError, Preempted
 
 KNOWN = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}  # name → what to install
 
@@ -59,12 +59,13 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
 def ending(error: BaseException | None) -> tuple[str, int]:
     """How a run ended, as MLflow's run status and the exit code W&B records — the worker's own exit
     status (worker/__init__.py): 0 finished; 75 stopped by SIGTERM with its checkpoint (preempted) and 130
-    by Ctrl-C, both KILLED; 2 refused or diverged and 1 crashed, both FAILED."""
+    by Ctrl-C, both KILLED; 2 refused or diverged, 73 run.dir taken over by another run (RunDirLost) and 1
+    crashed, all FAILED."""
     if error is None:
         return "FINISHED", 0
     if isinstance(error, (Preempted, KeyboardInterrupt)):
         return "KILLED", Preempted.exit_code if isinstance(error, Preempted) else 130
-    return "FAILED", EXIT_USAGE if isinstance(error, DtrainError) else 1
+    return "FAILED", error.exit_code if isinstance(error, DtrainError) else 1
 
 
 def restart_line(names: list[str], step: int) -> str:
