@@ -4,7 +4,8 @@
 `parts` how each named part (model, optimizer, …, and every registered one) is saved and put back,
 `tensors` the writing and reading of them all, `formats` the layouts by number, `pending` the seam
 between writing a checkpoint and sealing it, `background` the writing while training goes on
-(`checkpoint.async`), `manifest` what seals one; `export` the final weights.
+(`checkpoint.async`), `manifest` what seals one, `remote` and `on_store` checkpoints on an object store
+(sealed there, node by node); `export` the final weights.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
@@ -28,6 +29,9 @@ from dtrain.config import CheckpointConfig, Config
 from dtrain.distributed import every_rank_raises, later_attempt, rank0_decides
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.remote import RemoteCheckpointStore
 
 __all__ = [
     "Checkpoint",
@@ -45,13 +49,20 @@ __all__ = [
 
 class Checkpointer:
     """Saves and restores `parts` under `<run_dir>/checkpoints`. Every method is called on every rank;
-    rank 0 alone touches the folder structure."""
+    rank 0 alone touches the folder structure. `remote`: run.dir is on an object store and `run_dir` its
+    local staging folder; a checkpoint is sealed on the store first (checkpoint/on_store.py), and each
+    node's leader writes its own staging folder."""
 
-    def __init__(self, config: CheckpointConfig, run_dir: Path, parts: Parts):
+    def __init__(
+        self, config: CheckpointConfig, run_dir: Path, parts: Parts, remote: RemoteCheckpointStore | None = None
+    ):
+        from dtrain.checkpoint.on_store import StoreSealing
+
         self.config = config
         self.store = CheckpointStore(run_dir)
         self.parts = parts
         self.is_main = parts.rank == 0
+        self.on_store = StoreSealing(remote, self.store, parts.rank) if remote is not None else None
         self.last_saved_step: int | None = None  # the newest sealed
         # Where each sealed checkpoint's record goes (the trainer's monitor: metrics.jsonl and the console).
         self.report: Callable[[dict[str, Any]], None] | None = None
@@ -77,12 +88,29 @@ class Checkpointer:
         def choose() -> tuple[int, str] | None:
             self.store.remove_partials()
             checkpoint = self._choose()
-            if checkpoint is not None:
+            ours = checkpoint is not None and checkpoint.path.parent.resolve() == self.store.root.resolve()
+            if checkpoint is not None and not (ours and self.on_store is not None):
                 check_intact(checkpoint, self.store)
-            return (checkpoint.step, str(checkpoint.path)) if checkpoint else None
+            # run.dir's own by its step (each rank's staging folder may be another path), --resume-from's by path
+            return (checkpoint.step, "" if ours else str(checkpoint.path)) if checkpoint else None
 
         chosen = _as_checkpoint_error(lambda: rank0_decides(choose, is_main=self.is_main))
-        return None if chosen is None else Checkpoint(chosen[0], Path(chosen[1]))
+        if chosen is None:
+            own, checkpoint = None, None
+        else:
+            own = None if chosen[1] else chosen[0]
+            checkpoint = Checkpoint(chosen[0], Path(chosen[1]) if chosen[1] else self.store.root / f"step-{chosen[0]}")
+        if self.on_store is not None:  # every node's copy of run.dir's own fetched whole from the store, then checked
+            on_store = self.on_store
+            on_store.find_leaders()
+            _as_checkpoint_error(lambda: on_store.localize(own))
+            if own is not None and checkpoint is not None:
+                checked = checkpoint
+                _as_checkpoint_error(lambda: rank0_decides(lambda: self._checked(checked), is_main=self.is_main))
+        return checkpoint
+
+    def _checked(self, checkpoint: Checkpoint) -> None:
+        self.store.check_intact(checkpoint)
 
     def _choose(self) -> Checkpoint | None:
         # A restarted group always continues where the failed one left off.
@@ -175,12 +203,18 @@ class Checkpointer:
         def begin() -> None:
             try:
                 self.store.begin(step)
+                if self.on_store is not None:
+                    self.on_store.begin(step)
             except OSError as exc:
                 raise DtrainError(describe_failure(exc)) from None
 
         try:
             every_rank_raises(failure)
+            if self.on_store is not None:
+                self.on_store.find_leaders()
             rank0_decides(begin, is_main=self.is_main)  # also: the folder exists for everyone
+            if self.on_store is not None:  # and on every other node
+                self.on_store.begin_on_nodes(step)
         except DtrainError as exc:
             raise self._failed(step, str(exc)) from None
         folder = self.store.partial_path(step)
@@ -213,34 +247,52 @@ class Checkpointer:
 
     def _seal(self, step: int, written: Future[dict[str, Any]], group: Any = None) -> Checkpoint:
         """Seal checkpoint `step` once every rank's write has completed (collective, on `group`; rank 0
-        alone touches the folders): its manifest, the rename into place, the pruning of the oldest."""
+        alone touches the folders): its manifest, the rename into place, the pruning of the oldest. On a
+        store, every node's files are sent there and COMPLETE.json written there before any folder is sealed."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         error = None
         meta: dict[str, Any] = {}
+        files: dict[str, dict[str, int]] | None = None
         try:
             meta = written.result()
         except (Exception, CheckpointException) as exc:
             error = f"rank {self.parts.rank}: {_space_hint(self.store) or describe_failure(exc)}"
 
-        def commit() -> None:
+        def commit() -> str | None:
             try:
-                self.store.commit(step, meta)
+                marker = None
+                if self.on_store is not None and files is not None:
+                    marker = self.on_store.seal(step, meta, files)  # the checkpoint exists from here on
+                self.store.commit(step, meta, marker)
                 self.store.prune(self.config.keep)
-            except OSError as exc:
+                if self.on_store is not None:
+                    self.on_store.prune(self.config.keep)
+                return marker
+            except DtrainError:
+                raise
+            except Exception as exc:  # OSError, or a store's client: every rank must hear of it
                 raise DtrainError(describe_failure(exc)) from None
 
         try:
             every_rank_raises(error, group)
-            rank0_decides(commit, is_main=self.is_main, group=group)
+            if self.on_store is not None:
+                files = self.on_store.send(step, group)
+            marker = rank0_decides(commit, is_main=self.is_main, group=group)
         except DtrainError as exc:
             raise self._failed(step, str(exc)) from None
+        if self.on_store is not None and marker is not None:
+            self.on_store.seal_on_node(step, marker, self.config.keep)
         self.last_saved_step = step
         return Checkpoint(step, self.store.root / f"step-{step}")
 
     def _failed(self, step: int, error: str) -> CheckpointError:
         """The partial checkpoint `step` removed, and the one line every rank raises."""
         if self.is_main:
+            self.store.abandon(step)
+            if self.on_store is not None:
+                self.on_store.unseal_after_failure(step)
+        elif self.on_store is not None and self.on_store.leads_node:
             self.store.abandon(step)
         newest = self.store.newest()
         kept = f"; {newest.name} is intact" if newest else ""

@@ -83,10 +83,12 @@ class CheckpointStore:
         path.mkdir(parents=True)
         return path
 
-    def commit(self, step: int, meta: dict[str, Any]) -> Checkpoint:
-        """Seal the partial folder of `step` with its manifest and move it into place."""
+    def commit(self, step: int, meta: dict[str, Any], marker: str | None = None) -> Checkpoint:
+        """Seal the partial folder of `step` with its manifest and move it into place. `marker`: the
+        COMPLETE.json to seal it with, already written on the store (whose manifest may list files that
+        other nodes wrote, not here)."""
         partial = self.partial_path(step)
-        atomic_write_text(partial / MARKER, json.dumps({**meta, "files": manifest(partial)}, indent=1))
+        atomic_write_text(partial / MARKER, marker or marker_text(meta, manifest(partial)))
         final = self.root / f"step-{step}"
         if final.exists():  # the same step written again (a rerun after a crash): replace it whole
             stale = self.root / f"{PARTIAL_PREFIX}replaced-step-{step}"
@@ -143,6 +145,11 @@ class CheckpointStore:
             )
             raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {fix}")
         return meta
+
+
+def marker_text(meta: dict[str, Any], files: dict[str, dict[str, int]]) -> str:
+    """A COMPLETE.json: the checkpoint's metadata and the manifest of its files."""
+    return json.dumps({**meta, "files": files}, indent=1)
 
 
 def marker_problem(meta: Any, step: int) -> str | None:

@@ -28,7 +28,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     config = with_global_batch(config, world_size)  # the largest world of an elastic range; workers redo it
     run_dir = Path(config.run.dir)
     if objstore.is_url(config.run.dir):  # the store checked, and its run.dir fetched to a staging folder
-        run_dir = fetch_for_launcher(config.run.dir, config.checkpoint.keep, world_size == local_world_size)
+        run_dir = fetch_for_launcher(config.run.dir, config.checkpoint.keep)
     rundir.check_config_file_is_ours(run_dir, Path(config_file) if config_file else None)
     rundir.check_usable(run_dir)
     trackers = [t for t in config.monitor.trackers if t != "tensorboard"]

@@ -36,6 +36,10 @@ class RunDirClaim:
             if self.mirror
             else None
         )
+        # Checkpoints on the store are sealed by the Checkpointer, rank 0's only while it holds the lease.
+        self.checkpoints = self.mirror.checkpoints if self.mirror else None
+        if self.checkpoints is not None:
+            self.checkpoints.allowed = lambda: self.lease is not None and self.lease.held
         self.replaced: list[str] = []  # names of the earlier outputs take() removed
         self.replaced_whose = ""  # whose they were, for the line saying so
         self.fresh = False  # what run.dir holds is this run's own: set once it knows it resumes nothing
@@ -88,8 +92,8 @@ class RunDirClaim:
             self.mirror.push(checkpoints=False)  # from the lease's thread: checkpoints only from the loop
 
     def sending(self, report: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-        """`report` for each sealed checkpoint, and then on a store rank 0 sends it there (every object,
-        COMPLETE.json last) and prunes there: the Checkpointer's report, sync or background."""
+        """`report` for each sealed checkpoint, and then on a store rank 0 sends the outputs that changed
+        (the checkpoint itself is there already): the Checkpointer's report, sync or background."""
 
         def reported(record: dict[str, Any]) -> None:
             report(record)

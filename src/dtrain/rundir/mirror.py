@@ -7,8 +7,12 @@ start (`pull`: the run's outputs and its newest complete checkpoint, nothing the
 and sent back (`push`) by the run holding run.dir's lease — after each checkpoint, every third of the
 lease's term, and at the end. The store is the run.dir: a run on another machine resumes from it.
 
-Checkpoints go up through checkpoint.remote (every object, then COMPLETE.json last; older ones pruned
-COMPLETE.json first), the other outputs as whole objects (one PUT each, atomic), each when it changed.
+Checkpoints are not sent from here: the Checkpointer seals each on the store before its local folder
+(checkpoint/on_store.py: every node's files, then COMPLETE.json), so that a job on several nodes, each
+with its own staging folder, reaches the store whole. The other outputs (rank 0's: metrics, TensorBoard,
+final weights) go up from rank 0's node as whole objects (one PUT each, atomic), each when it changed.
+Every node's launcher pulls (`fetch_for_launcher`), which changes only its own staging folder; only the
+run holding the lease ever deletes on the store.
 """
 
 from __future__ import annotations
@@ -81,9 +85,8 @@ class Mirror:
         for checkpoint in local.complete():  # a local checkpoint the store does not hold (as it is) is gone
             if self._sealed.get(checkpoint.step) != (checkpoint.path / MARKER).read_bytes():
                 shutil.rmtree(checkpoint.path)
-        held = {c.step for c in local.complete()}
-        if complete and complete[-1] not in held:
-            self.checkpoints.download(complete[-1], self.staging)
+        if complete:  # the newest, whole (a node's own copy holds only its ranks' files)
+            self.checkpoints.fetch(complete[-1], self.staging)
 
     def push(self, checkpoints: bool = True) -> None:
         """Send what changed in the staging folder to the store, and delete there what left it."""
@@ -104,18 +107,11 @@ class Mirror:
                 self._push_checkpoints()
 
     def _push_checkpoints(self) -> None:
-        local = CheckpointStore(self.staging).complete()
-        for checkpoint in local:
-            marker = (checkpoint.path / MARKER).read_bytes()
-            if self._sealed.get(checkpoint.step) != marker:
-                self.checkpoints.upload(checkpoint)
-                self._sealed[checkpoint.step] = marker
-        if not local and self._sealed:  # the run's checkpoints were deleted (run.overwrite): on the store too
+        # Sealed on the store by the Checkpointer, pruned there too; what is left here: a run told to
+        # start afresh (run.overwrite) deleted the local checkpoints, so the store's go as well.
+        if self._sealed and not CheckpointStore(self.staging).complete():
             self.checkpoints.prune(keep=0, everything=True)
             self._sealed = {}
-        else:
-            for step in self.checkpoints.prune(self.keep):
-                self._sealed.pop(step, None)
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -129,18 +125,11 @@ def _skipped(name: str) -> bool:
     return name == ".lock" or (base.startswith(".") and base.endswith(".tmp"))
 
 
-def fetch_for_launcher(url: str, keep: int, one_node: bool) -> Path:
-    """What the launcher checks of a run.dir URL before any worker starts, in one line each: one node
-    (the staging folder is this machine's), a store that answers with this bucket and these credentials,
-    no live run holding the lease. Then the staging folder is filled from the store, so that the
-    launcher's checks of run.dir (its outputs, its checkpoints) read what the store holds."""
-    from dtrain.errors import DtrainError
-
-    if not one_node:
-        raise DtrainError(
-            f"run.dir = '{url}' is an object store, which runs on one node only for now (its staging folder is "
-            f"this machine's); give a shared local folder for a job on several nodes"
-        )
+def fetch_for_launcher(url: str, keep: int) -> Path:
+    """What the launcher checks of a run.dir URL before any worker starts, in one line each: a store that
+    answers with this bucket and these credentials, no live run holding the lease. Then the staging
+    folder is filled from the store, so that the launcher's checks of run.dir (its outputs, its
+    checkpoints) read what the store holds — on every node of a job, each into its own staging folder."""
     lease.RunDirLease(url).check_free()
     staging = staging_for(url)
     Mirror(url, staging, keep).pull()

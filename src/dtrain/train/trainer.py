@@ -174,7 +174,7 @@ class Trainer:
         identity, spread = resume.identity(cfg, len(self.train_data)), resume.spread(cfg)  # type: ignore[arg-type]
         plan, extra = resume.plan(cfg, total, per_epoch), self.checkpoint_parts
         parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
         resume_from = self.checkpointer.find_resume_point()
         claim.fresh = resume_from is None  # what run.dir holds from here on is this run's own
         if resume_from is not None:
