@@ -4,14 +4,18 @@ usual environment. Each machine is a cache folder of its own (XDG_CACHE_HOME): a
 one can only have read its checkpoint from the store. Nothing of fsspec, s3fs or boto is mocked."""
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
 from dtrain.checkpoint.store import MARKER
-from helpers import ROOT, dtrain, ok, weights
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, ok, weights
 
 MAIN = ["examples/digits_mlp.toml", "--nproc", "2", "training.max_steps=12", "checkpoint.every_steps=5"]
 # A synthetic job whose rank 0 can be killed (SIGKILL) in its 23rd training forward pass; 39 steps in all.
@@ -93,10 +97,16 @@ def test_the_credentials_are_written_nowhere(s3, main_job):
         assert secret not in result.stdout + result.stderr and secret not in config
 
 
-def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_prefix(s3, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """JOB uninterrupted, into a local folder: what every interrupted run on the bucket must end as."""
+    run_dir = tmp_path_factory.mktemp("s3-reference") / "run"
+    ok(dtrain("run", *JOB, MODEL % "", f"run.dir={run_dir}"))
+    return run_dir
+
+
+def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_prefix(s3, reference, tmp_path):
     url, prefix = s3.url("runs/killed"), "runs/killed"
-    reference = tmp_path / "reference"
-    ok(dtrain("run", *JOB, MODEL % "", f"run.dir={reference}"))
     dying = MODEL % ", die_at_forward = 23, die_rank = 0"  # rank 0, the lease holder: after step-20
     first = dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=on(s3, tmp_path / "a"))
     assert first.returncode != 0
@@ -153,3 +163,128 @@ def test_checkpoints_written_in_the_background_reach_the_bucket_sealed(s3, main_
     assert all(complete_json_last(s3, "runs/async").values())
     mine, theirs = stored_weights(s3, "runs/async"), weights(local)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def same_as(s3, prefix, reference):
+    mine, theirs = stored_weights(s3, prefix), weights(reference)
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def expire_lease(s3, prefix):
+    """As if the lease of a run killed with -9 had run out (its term is minutes)."""
+    fs = s3.filesystem()
+    lease = json.loads(fs.cat_file(f"{s3.bucket}/{prefix}/.lease"))
+    fs.pipe_file(f"{s3.bucket}/{prefix}/.lease", json.dumps({**lease, "expires": lease["expires"] - 3600}).encode())
+
+
+def on_two_nodes(s3, machines, *args):
+    """JOB as a job of two nodes on this machine: two launchers of one process each, joined on loopback,
+    each with a cache (so a staging folder) of its own, as two machines without a shared file system."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    one_process = [JOB[0], *JOB[3:]]  # JOB less its --nproc 2
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dtrain", "run", *one_process, *args, "--nnodes", "2", "--node-rank", str(rank)]
+            + ["--nproc", "1", "--rdzv-endpoint", endpoint],
+            cwd=ROOT,
+            env=env(**on(s3, machine)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, machine in enumerate(machines)
+    ]
+    outs = [node.communicate(timeout=TIMEOUT) for node in nodes]
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, outs)]
+
+
+def test_two_nodes_each_with_its_own_staging_folder_seal_both_ranks_files_and_resume_bitwise(s3, reference, tmp_path):
+    """run.dir on the bucket, two nodes without a shared file system: each complete step-N on the store
+    holds both ranks' shards and its COMPLETE.json lists them all; the job killed (node 1's process) is
+    resumed by two other machines, which only the store can have given the checkpoint, bitwise."""
+    url, prefix = s3.url("runs/nodes"), "runs/nodes"
+    dying = MODEL % ", die_at_forward = 23, die_rank = 1"  # node 1's process, after step-20
+    first = on_two_nodes(s3, [tmp_path / "a0", tmp_path / "a1"], dying, "checkpoint.every_steps=5", f"run.dir={url}")
+    assert all(rc != 0 for rc, _ in first), first
+    stored = objects(s3, prefix)
+    complete = sorted(int(n.split("/")[1][5:]) for n in stored if n.startswith("checkpoints/") and n.endswith(MARKER))
+    assert complete == [10, 15, 20], sorted(stored)  # keep = 3
+    for step in complete:
+        under = f"checkpoints/step-{step}/"
+        names = {n[len(under) :]: size for n, size in stored.items() if n.startswith(under)}
+        for rank in (0, 1):  # each node's own files, sent from its own staging folder
+            assert f"state/__{rank}_0.distcp" in names and f"rng-rank{rank}.safetensors" in names, sorted(names)
+        marker = json.loads(s3.filesystem().cat_file(f"{s3.bucket}/{prefix}/{under}{MARKER}"))
+        assert {n: f["bytes"] for n, f in marker["files"].items()} == {n: b for n, b in names.items() if n != MARKER}
+    assert all(complete_json_last(s3, prefix).values())
+    if ".lease" in stored:  # rank 0 may not have lived to give it back
+        expire_lease(s3, prefix)
+    second = on_two_nodes(s3, [tmp_path / "b0", tmp_path / "b1"], dying, "checkpoint.every_steps=5", f"run.dir={url}")
+    assert [rc for rc, _ in second] == [0, 0], second
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39", second[0][1], re.M), second[0][1]
+    assert same_as(s3, prefix, reference)
+
+
+def test_two_nodes_restarted_in_place_fetch_what_their_own_folder_lacks(s3, reference, tmp_path):
+    """torchrun restarts both nodes' processes (no launcher runs again): node 1's folder holds only its own
+    rank's files of step-20 (DCP's metadata and rank 0's shard are node 0's), so it fetches the rest from
+    the store before the resume, which ends bitwise."""
+    url, prefix = s3.url("runs/nodes-restart"), "runs/nodes-restart"
+    dying = MODEL % ", die_at_forward = 23, die_rank = 1"
+    machines = [tmp_path / "c0", tmp_path / "c1"]
+    both = on_two_nodes(s3, machines, dying, "checkpoint.every_steps=5", f"run.dir={url}", "--max-restarts", "1")
+    assert [rc for rc, _ in both] == [0, 0], both
+    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39", both[0][1], re.M), both[0][1]
+    assert same_as(s3, prefix, reference)
+
+
+# Just before the PUT, sync and async; just after it, async (sync seals the same way, on the training thread).
+@pytest.mark.parametrize(
+    "when, background",
+    [("before", False), ("before", True), ("after", True)],
+    ids=["sync-before", "async-before", "async-after"],
+)
+def test_a_kill_as_a_checkpoint_is_sealed_on_the_store_leaves_none_that_only_this_machine_holds(
+    s3, reference, tmp_path, when, background
+):
+    """kill -9 of rank 0 just before or just after the store's COMPLETE.json of step-15: this machine's
+    staging folder then holds no sealed checkpoint that the store lacks (the store is sealed first), and
+    the run resumed here from what the store holds — step-10, or step-15 — ends bitwise as one never
+    interrupted."""
+    url, prefix = s3.url(f"runs/seal-{when}-{background}"), f"runs/seal-{when}-{background}"
+    faults = os.pathsep.join([str(WORKERS / "process_faults"), env()["PYTHONPATH"]])
+    job = [
+        *JOB,
+        MODEL % "",
+        "checkpoint.every_steps=5",
+        f"checkpoint.async={str(background).lower()}",
+        f"run.dir={url}",
+    ]
+    here = on(s3, tmp_path / "machine")
+    first = dtrain("run", *job, extra_env={**here, "PYTHONPATH": faults, "KILL_AT_STORE_SEAL": f"15:{when}"})
+    assert first.returncode != 0
+    on_store = RemoteSteps(s3, prefix)
+    assert on_store.complete == ([5, 10, 15] if when == "after" else [5, 10]), on_store.complete
+    assert when == "after" or on_store.partial == [15]  # every object there, but no COMPLETE.json
+    (staging,) = (tmp_path / "machine" / "dtrain" / "run-dirs").iterdir()
+    sealed_here = sorted(int(p.name[5:]) for p in (staging / "checkpoints").glob("step-*") if (p / MARKER).is_file())
+    assert set(sealed_here) <= set(on_store.complete) and 15 not in sealed_here, (sealed_here, on_store.complete)
+    expire_lease(s3, prefix)
+    second = ok(dtrain("run", *job, extra_env=here))
+    resumed = 15 if when == "after" else 10
+    assert re.search(rf"^resumed from \S+/checkpoints/step-{resumed} \(step {resumed} of 39", second.stderr, re.M)
+    assert same_as(s3, prefix, reference)
+
+
+class RemoteSteps:
+    """The steps under a run.dir's checkpoints/ on the store: with COMPLETE.json, and without."""
+
+    def __init__(self, s3, prefix):
+        steps: dict[int, set[str]] = {}
+        for name in objects(s3, f"{prefix}/checkpoints"):
+            folder, _, rest = name.partition("/")
+            steps.setdefault(int(folder[5:]), set()).add(rest)
+        self.complete = sorted(step for step, names in steps.items() if MARKER in names)
+        self.partial = sorted(step for step, names in steps.items() if MARKER not in names)

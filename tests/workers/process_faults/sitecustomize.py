@@ -8,6 +8,10 @@ worker's: the launcher).
 SLOW_FSYNC=TEXT:SECONDS: a slow disk for the files whose path contains TEXT — each fsync of one takes
 SECONDS longer, and its path is appended to SLOW_FSYNC_NOTE (a file) when it starts, so a test knows
 that such a write is under way.
+
+KILL_AT_STORE_SEAL=STEP:before|after: rank 0 SIGKILLs itself when it seals checkpoint STEP on an object
+store (checkpoint/remote.py's `seal`: the PUT of COMPLETE.json) — just before that PUT, or just after it
+(before any local folder is sealed), the moments between which a checkpoint comes to exist.
 """
 
 import os
@@ -55,3 +59,18 @@ if _slow and _worker:
         return _fsync(fd)
 
     os.fsync = _slow_fsync
+
+_seal_step, _, _seal_when = os.environ.get("KILL_AT_STORE_SEAL", "").partition(":")
+if _seal_step and _worker and os.environ.get("RANK") == "0":
+    from dtrain.checkpoint import remote as _remote
+
+    _seal = _remote.RemoteCheckpointStore.seal
+
+    def _seal_then_maybe_die(self, step, marker):
+        if step == int(_seal_step) and _seal_when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        _seal(self, step, marker)
+        if step == int(_seal_step) and _seal_when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _remote.RemoteCheckpointStore.seal = _seal_then_maybe_die
