@@ -205,7 +205,9 @@ class Checkpointer:
                 self.store.begin(step)
                 if self.on_store is not None:
                     self.on_store.begin(step)
-            except OSError as exc:
+            except DtrainError:
+                raise
+            except Exception as exc:  # OSError, or a store's client: every rank must hear of it
                 raise DtrainError(describe_failure(exc)) from None
 
         try:
