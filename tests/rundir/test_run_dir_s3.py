@@ -227,19 +227,6 @@ def test_two_nodes_each_with_its_own_staging_folder_seal_both_ranks_files_and_re
     assert same_as(s3, prefix, reference)
 
 
-def test_two_nodes_restarted_in_place_fetch_what_their_own_folder_lacks(s3, reference, tmp_path):
-    """torchrun restarts both nodes' processes (no launcher runs again): node 1's folder holds only its own
-    rank's files of step-20 (DCP's metadata and rank 0's shard are node 0's), so it fetches the rest from
-    the store before the resume, which ends bitwise."""
-    url, prefix = s3.url("runs/nodes-restart"), "runs/nodes-restart"
-    dying = MODEL % ", die_at_forward = 23, die_rank = 1"
-    machines = [tmp_path / "c0", tmp_path / "c1"]
-    both = on_two_nodes(s3, machines, dying, "checkpoint.every_steps=5", f"run.dir={url}", "--max-restarts", "1")
-    assert [rc for rc, _ in both] == [0, 0], both
-    assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39", both[0][1], re.M), both[0][1]
-    assert same_as(s3, prefix, reference)
-
-
 # Just before the PUT, sync and async; just after it, async (sync seals the same way, on the training thread).
 @pytest.mark.parametrize(
     "when, background",
