@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.data.batch import BatchGatherer
 from dtrain.data.tokens import TokenWindows
 from helpers import dtrain, env, eval_lines, ok, train_lines, weights
 
@@ -159,7 +160,7 @@ def test_a_store_that_cannot_serve_the_data_is_one_line_from_the_launcher(s3, up
     assert s3.secret not in lines[0] and "EXAMPLE" not in lines[0] and not run_dir.exists()
 
 
-class SlowStore:
+class SlowStore(BatchGatherer):
     """A data set whose `take` stands for a store's round trip; it records when each batch was asked for."""
 
     read_ahead = True

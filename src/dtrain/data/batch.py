@@ -128,3 +128,16 @@ class TensorDict(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {k: v[index] for k, v in self.tensors.items()}
+
+
+class BatchGatherer(Dataset):
+    """dtrain's own fast path, by subclassing: a data set that reads a whole batch itself with
+    `take(indices)` (token windows from a memory map or object storage), with no per-sample Python and no
+    collate. Marked by this class, never recognised by the method's name: other libraries' data sets have
+    a `take` of their own (Hugging Face's `datasets.Dataset.take(n)` is "the first n rows"), and those go
+    through the DataLoader with the user's `collate_fn` like any other map-style set."""
+
+    read_ahead = False  # True: the batch loop asks for the next batch while this one trains
+
+    def take(self, indices: torch.Tensor) -> Any:
+        raise NotImplementedError

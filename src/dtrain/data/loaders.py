@@ -2,7 +2,8 @@
 
 Two paths, one interface. Data held as tensors (a `TensorDataset` of any number of tensors, a
 `TensorDict`, every built-in set) is gathered a whole batch at a time with `index_select` — on the GPU
-when there is one — with no per-sample Python and no collate. Any other map-style data set goes through
+when there is one — with no per-sample Python and no collate; a `BatchGatherer` (token windows) reads its
+own whole batches. Any other map-style data set goes through
 a `DataLoader` with workers, pinned memory, prefetch and the user's `collate_fn` (default: `collate`).
 A batch may be any shape (see batch.py). Both yield, for each optimizer step, the list of micro-batches
 that step consumes.
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dtrain.config import DataConfig
-from dtrain.data.batch import TensorDict, collate, map_tensors, to_device
+from dtrain.data.batch import BatchGatherer, TensorDict, collate, map_tensors, to_device
 from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard
 
 Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
@@ -114,7 +115,7 @@ class EvalBatches:
 def _source_for(dataset: Dataset, data: DataConfig, device: torch.device, collate_fn: Collate | None):
     if _tensor_backed(dataset):
         return _TensorSource(dataset, data.on_device, device)
-    if callable(getattr(dataset, "take", None)):
+    if isinstance(dataset, BatchGatherer):  # dtrain's own marker: another library's `take` means another thing
         return _TakeSource(dataset, device, pin=data.pin_memory and device.type == "cuda")
     return _LoaderSource(dataset, data, device, collate_fn)
 
@@ -156,10 +157,10 @@ class _TensorSource:
 
 
 class _TakeSource:
-    """A data set that gathers a whole batch itself, `dataset.take(indices)` (token windows read from a
+    """A BatchGatherer gathers a whole batch itself, `dataset.take(indices)` (token windows read from a
     memory map): no per-sample Python, no collate, nothing held in memory beyond the batch."""
 
-    def __init__(self, dataset: Any, device: torch.device, pin: bool):
+    def __init__(self, dataset: BatchGatherer, device: torch.device, pin: bool):
         self.dataset = dataset
         self.device = device
         self.pin = pin
@@ -167,7 +168,7 @@ class _TakeSource:
     def batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         chunks = indices.split(batch_size) if len(indices) else ()
         take = self.dataset.take
-        for batch in _read_ahead(take, chunks) if getattr(self.dataset, "read_ahead", False) else map(take, chunks):
+        for batch in _read_ahead(take, chunks) if self.dataset.read_ahead else map(take, chunks):
             if self.pin:
                 batch = map_tensors(batch, torch.Tensor.pin_memory)
             yield to_device(batch, self.device)

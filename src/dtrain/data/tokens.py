@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
+from dtrain.data.batch import BatchGatherer
 from dtrain.data.shard_store import store_at
 from dtrain.errors import DataError
 
@@ -99,7 +99,7 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     return meta
 
 
-class TokenWindows(Dataset):
+class TokenWindows(BatchGatherer):
     """One split's windows of block_size + 1 tokens over memory-mapped shards; sample i is
     (input, target), each block_size int64 tokens."""
 
