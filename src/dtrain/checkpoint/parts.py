@@ -29,6 +29,7 @@ from dtrain.checkpoint.formats import FLAT_NAMES
 from dtrain.checkpoint.rng import device_of, load_rng, save_rng
 from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts
 from dtrain.checkpoint.store import CheckpointError
+from dtrain.files import fsync_file
 
 _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 _UNFIT = (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError)
@@ -93,7 +94,9 @@ def adapters(parts: Parts) -> dict[str, Part]:
         "scheduler": SchedulePart("scheduler", parts.scheduler),
         "scaler": ScalerPart("scaler", parts.scaler),
     }
-    found.update({name: StatefulPart(name, obj) for name, obj in parts.extra.items()})
+    for name, obj in parts.extra.items():
+        per_rank = getattr(obj, "per_rank", False) is True  # state that differs by rank says so
+        found[name] = RankStatePart(name, obj, parts.rank) if per_rank else StatefulPart(name, obj)
     found["rng"] = RngPart(parts.rank, device_of(parts.module))
     assert set(BUILT_IN_PARTS) <= set(found)
     return found
@@ -391,6 +394,44 @@ def _merge(rest: Any, tensors: dict[str, Any]) -> Any:
     for key, value in tensors.items():
         merged[key] = _merge(merged.get(key), value) if isinstance(value, dict) else value
     return merged
+
+
+class RankStatePart(Part):
+    """State that differs from rank to rank (an iterable data set's position in the rank's share), marked
+    `per_rank = True` on its object: JSON in a file of each rank's own, <name>-rank<R>.json, taken when the
+    checkpoint is staged. Such data cannot continue on another number of processes (see state.regroup)."""
+
+    def __init__(self, name: str, obj: Any, rank: int):
+        super().__init__(name)
+        self.obj, self.rank = obj, rank
+        self.taken: Any = None
+
+    def _path(self, folder: Path) -> Path:
+        return folder / f"{self.name}-rank{self.rank}.json"
+
+    def capture(self) -> tuple[dict[str, Any], Any]:
+        self.taken = json.dumps(self.obj.state_dict())
+        return {}, None
+
+    def write_files(self, folder: Path) -> None:
+        self._path(folder).write_text(self.taken)
+        fsync_file(self._path(folder))
+
+    def targets(self, saved: Saved) -> dict[str, Any]:
+        if not self._path(saved.folder).is_file():
+            raise CheckpointError(
+                f"{self._path(saved.folder)} is missing; delete {saved.folder} to resume from an earlier checkpoint"
+            )
+        return {}
+
+    def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
+        self.obj.load_state_dict(json.loads(self._path(saved.folder).read_text()))
+
+    def unfit(self, saved: Saved, exc: BaseException) -> str:
+        return (
+            f"{self._path(saved.folder)} cannot be read back ({type(exc).__name__}: {exc}); delete {saved.folder} "
+            f"to resume from an earlier checkpoint"
+        )
 
 
 # --- RNG ----------------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from dtrain.data.datasets import (
     sample_of,
     size_hint,
 )
-from dtrain.data.loaders import EvalBatches, TrainBatches
+from dtrain.data.loaders import Batches, EvalBatches, TrainBatches, samples_in, train_batches
 from dtrain.data.sampler import ShardSampler, eval_shard
 
 __all__ = [
+    "Batches",
     "DataSplits",
     "EvalBatches",
     "ShardSampler",
@@ -32,6 +33,8 @@ __all__ = [
     "keeps_global_order",
     "kind_of",
     "sample_of",
+    "samples_in",
     "size_hint",
     "to_device",
+    "train_batches",
 ]

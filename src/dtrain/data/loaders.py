@@ -11,6 +11,7 @@ that step consumes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
@@ -18,9 +19,12 @@ from typing import Any, TypeGuard
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from dtrain.config import DataConfig
+from dtrain.config import Config, DataConfig
 from dtrain.data.batch import BatchGatherer, TensorDict, collate, map_tensors, to_device
-from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard
+from dtrain.data.datasets import check_shardable
+from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard, train_sampler
+from dtrain.data.streams import StreamBatches, is_stream
+from dtrain.errors import DataError
 
 Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
 Collate = Callable[[list[Any]], Any]
@@ -50,6 +54,16 @@ class TrainBatches:
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / self.accum)
         self._source = _source_for(dataset, data, device, collate_fn)
 
+    def parts(self) -> dict[str, Any]:
+        """What the checkpoint keeps of the batches: nothing, the step says the position."""
+        return {}
+
+    def stream(self, step: int) -> Iterator[list[Batch]]:
+        """Every step's micro-batches from `step` (the run's position) on, one epoch's order after the next:
+        each epoch is shuffled by its number, so a resumed run sees the batches it would have."""
+        for epoch in itertools.count(step // self.steps_per_epoch):
+            yield from self.epoch(epoch, start_step=max(0, step - epoch * self.steps_per_epoch))
+
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
         """Micro-batch groups of `epoch`, starting at optimizer step `start_step` of that epoch."""
         self.sampler.set_epoch(epoch)
@@ -66,6 +80,41 @@ class TrainBatches:
                 group = []
         if group:
             yield group
+
+
+Batches = TrainBatches | StreamBatches  # what the training loop reads, either kind of data set
+
+
+def samples_in(dataset: Any) -> int | str:
+    """The training set's size as a checkpoint's identity keeps it: an iterable set's is unknown."""
+    return "an iterable data set" if is_stream(dataset) else len(dataset)
+
+
+def train_batches(
+    dataset: Any,
+    config: Config,
+    rank: int,
+    world_size: int,
+    accum: int,
+    global_order: bool,
+    device: torch.device,
+    collate_fn: Collate | None,
+) -> Batches:
+    """This rank's training batches: a map-style set's shard in the epoch's order, or an iterable set's
+    share (streams.py)."""
+    data = config.data
+    if is_stream(dataset):
+        return StreamBatches(dataset, data, accum, config.training.max_steps, rank, world_size, device, collate_fn)
+    n = len(dataset)
+    check_shardable(config, n, world_size)
+    sampler = train_sampler(n, rank, world_size, data.batch_size, config.run.seed, accum, global_order)
+    batches = TrainBatches(dataset, sampler, data, accum, device, collate_fn)
+    if batches.steps_per_epoch == 0:  # an epoch of no steps
+        raise DataError(
+            f"data.drop_last=true with data.batch_size={data.batch_size} leaves no full batch of the "
+            f"{sampler.num_samples} samples per process; lower data.batch_size or set data.drop_last=false"
+        )
+    return batches
 
 
 class EvalBatches:

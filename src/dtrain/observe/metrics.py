@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dtrain import distributed
 from dtrain.config import Config
-from dtrain.data import TrainBatches
+from dtrain.data import Batches
 from dtrain.data.batch import num_tokens, real_tokens, split
 from dtrain.observe import memory, perf
 from dtrain.observe.memory import FIELDS as memory_fields
@@ -37,7 +37,7 @@ class StepMetrics:
         world_size: int,
         timer: StepTimer,
         module: torch.nn.Module,
-        batches: TrainBatches,
+        batches: Batches,
         loss_of: Callable,
         count_skips: bool,
     ) -> StepMetrics:

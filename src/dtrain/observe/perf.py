@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dtrain.data import TrainBatches
+    from dtrain.data import Batches
 
 # Dense (no sparsity) peak TFLOP/s of one device, from the vendors' data sheets: 16-bit tensor-core math
 # (bf16/fp16 with fp32 accumulation), TF32 tensor-core math (None where the device has no TF32), and
@@ -70,7 +70,7 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float, tf3
     return None if tflops is None else tflops * 1e12
 
 
-def training_flops_per_sample(module: nn.Module, batches: TrainBatches, loss_of: Callable) -> float | None:
+def training_flops_per_sample(module: nn.Module, batches: Batches, loss_of: Callable) -> float | None:
     """Training FLOPs per sample of the whole (unsharded) module: from the model's own count per token
     where it has one (the built-in GPT: 6N + attention, as nanoGPT and PaLM count), else counted once on
     a meta-device copy of the first micro-batch (flops_per_sample)."""

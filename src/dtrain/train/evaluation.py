@@ -20,7 +20,8 @@ from dtrain import distributed
 from dtrain.config import Config
 from dtrain.data import EvalBatches
 from dtrain.data.batch import IGNORE_INDEX, num_samples
-from dtrain.errors import DtrainError
+from dtrain.data.streams import is_stream
+from dtrain.errors import DataError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, logits_of
@@ -59,6 +60,11 @@ class Evaluator:
         tells `timer`'s progress (the hang watch) that it evaluates."""
         if eval_data is None:
             return None
+        if is_stream(eval_data):  # every eval sample once across the ranks: that needs a length
+            raise DataError(
+                f"eval_data is an iterable data set ({type(eval_data).__name__}); evaluation needs a map-style "
+                f"one with a length (a datasets.Dataset, a list of samples, a TensorDataset)"
+            )
         if len(eval_data) == 0:  # nothing to evaluate: said, rather than eval lines with no metric on them
             if session.is_main:
                 print("note: eval_data holds no samples: this run does not evaluate", file=sys.stderr, flush=True)

@@ -10,7 +10,6 @@ refused). `ResumePlan.lines` says on the console what changed.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +20,7 @@ from dtrain import distributed, rundir
 from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
 from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
 from dtrain.config import Config, with_global_batch
-from dtrain.data import TrainBatches
+from dtrain.data import Batches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 from dtrain.observe.monitor import Monitor
@@ -211,7 +210,7 @@ def check_stateful(parts: dict[str, Any], set_up: bool) -> None:
             )
 
 
-def identity(config: Config, train_samples: int) -> dict[str, Any]:
+def identity(config: Config, train_samples: int | str) -> dict[str, Any]:
     """What a checkpoint must share with this run to be resumed by it at all."""
     return {
         "optimizer.name": config.optimizer.name,
@@ -303,9 +302,7 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def batch_stream(batches: TrainBatches, step: int) -> Iterator[list[Any]]:
-    """Every step's micro-batches from `step` (the run's position) on, one epoch's order after the next:
-    each epoch is shuffled by its number, so a resumed run sees the batches it would have."""
-    per_epoch = batches.steps_per_epoch
-    for epoch in itertools.count(step // per_epoch):
-        yield from batches.epoch(epoch, start_step=max(0, step - epoch * per_epoch))
+def batch_stream(batches: Batches, step: int) -> Iterator[list[Any]]:
+    """Every step's micro-batches from `step` (the run's position) on: see TrainBatches.stream (epochs
+    in their orders) and StreamBatches.stream (an iterable set from its checkpointed position)."""
+    yield from batches.stream(step)

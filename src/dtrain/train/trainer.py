@@ -25,8 +25,7 @@ from torch.utils.data import Dataset
 from dtrain import data, distributed, parallel
 from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
 from dtrain.config import Config, profile_range
-from dtrain.data import TensorDict, TrainBatches
-from dtrain.data.sampler import train_sampler
+from dtrain.data import Batches, TensorDict
 from dtrain.errors import DtrainError
 from dtrain.observe import memory
 from dtrain.observe.metrics import StepMetrics, step_tokens
@@ -89,7 +88,7 @@ class Trainer:
         self.grad_accum_steps = self.config.training.grad_accum_steps
         # What setup() builds, None until then.
         self.precision: Precision | None = None
-        self.train_batches: TrainBatches | None = None
+        self.train_batches: Batches | None = None
         self.timer: StepTimer | None = None
         self.metrics: StepMetrics | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -141,14 +140,11 @@ class Trainer:
         cfg, device, rank, world = self.config, session.device, session.rank, session.world_size
         advice.check_trainable(self.module)
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
-        n = len(self.train_data)  # type: ignore[arg-type]
-        data.check_shardable(cfg, n, world)
         global_order = data.keeps_global_order(self.train_data)
         self.grad_accum_steps = accum = self.plan.regroup(session, global_order)
         self.config = cfg = self.plan.followed(cfg)  # after a regroup a copy: the caller's config stays as given
-        sampler = train_sampler(n, rank, world, cfg.data.batch_size, cfg.run.seed, accum, global_order)
-        self.train_batches = batches = TrainBatches(self.train_data, sampler, cfg.data, accum, device, self.collate_fn)
-        advice.check_full_batches(batches.steps_per_epoch, cfg.data.batch_size, sampler.num_samples)
+        made = data.train_batches(self.train_data, cfg, rank, world, accum, global_order, device, self.collate_fn)
+        self.train_batches = batches = made  # a map-style set's shard, or an iterable set's share (streams.py)
         parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips = self.precision.scaler.is_enabled()
@@ -171,8 +167,8 @@ class Trainer:
         claim.take(self.module, self.stop_request.lose_run_dir)  # the lease on a store lost: the run stops
         held = (self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank, session.world_size)
         per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
-        identity, spread = resume.identity(cfg, len(self.train_data)), resume.spread(cfg)  # type: ignore[arg-type]
-        plan, extra = resume.plan(cfg, total, per_epoch), self.checkpoint_parts
+        identity, spread = resume.identity(cfg, data.samples_in(self.train_data)), resume.spread(cfg)
+        plan, extra = resume.plan(cfg, total, per_epoch), {**self.checkpoint_parts, **self.train_batches.parts()}
         parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
         resume_from = self.checkpointer.find_resume_point()
