@@ -287,6 +287,11 @@ class DataConfig(Section):
     eval_batch_size: int = setting(512, "Samples per evaluation batch, per process.", min=1, max=2**24)
     eval_fraction: float = setting(0.2, "Share held out for evaluation (digits, synthetic).", above=0, max=0.9)
     drop_last: bool = setting(False, "Drop each epoch's last, partial batch.")
+    shuffle: bool = setting(
+        True,
+        "Shuffle the training set every epoch (by run.seed and the epoch); false: the data set's own order, "
+        "rank r taking samples r, r + processes, ... (an iterable data set is always read in its own order).",
+    )
     num_samples: int = setting(60000, "Size of the synthetic data set.", min=1, max=2**31)
     input_shape: list[int] = setting([1, 28, 28], "Sample shape of the synthetic data set.")
     num_classes: int = setting(

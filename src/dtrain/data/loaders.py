@@ -107,7 +107,8 @@ def train_batches(
         return StreamBatches(dataset, data, accum, config.training.max_steps, rank, world_size, device, collate_fn)
     n = len(dataset)
     check_shardable(config, n, world_size)
-    sampler = train_sampler(n, rank, world_size, data.batch_size, config.run.seed, accum, global_order)
+    seed, shuffle = config.run.seed, data.shuffle
+    sampler = train_sampler(n, rank, world_size, data.batch_size, seed, accum, global_order, shuffle)
     batches = TrainBatches(dataset, sampler, data, accum, device, collate_fn)
     if batches.steps_per_epoch == 0:  # an epoch of no steps
         raise DataError(

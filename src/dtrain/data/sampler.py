@@ -69,8 +69,10 @@ class GlobalOrderSampler(ShardSampler):
     optimizer step wait for another epoch's permutation: no padding, every rank the same number of
     batches."""
 
-    def __init__(self, n: int, rank: int, world_size: int, batch_size: int, seed: int = 0, accum: int = 1):
-        super().__init__(n, rank, world_size, seed=seed)
+    def __init__(
+        self, n: int, rank: int, world_size: int, batch_size: int, seed: int = 0, accum: int = 1, shuffle: bool = True
+    ):
+        super().__init__(n, rank, world_size, seed=seed, shuffle=shuffle)
         self.batch_size = batch_size
         # Whole optimizer steps (accum global batches each): an epoch then holds the same steps whatever
         # the world size, when accumulation makes up for fewer processes.
@@ -80,20 +82,24 @@ class GlobalOrderSampler(ShardSampler):
 
     def shard(self, epoch: int | None = None) -> torch.Tensor:
         epoch = self.epoch if epoch is None else epoch
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        order = torch.randperm(self.n, generator=generator)[: self.total_size]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.n, generator=generator)[: self.total_size]
+        else:
+            order = torch.arange(self.total_size)
         return order.view(self.global_batches, self.world_size, self.batch_size)[:, self.rank].reshape(-1)
 
 
 def train_sampler(
-    n: int, rank: int, world_size: int, batch_size: int, seed: int, accum: int, global_order: bool
+    n: int, rank: int, world_size: int, batch_size: int, seed: int, accum: int, global_order: bool, shuffle: bool = True
 ) -> ShardSampler:
     """DistributedSampler's order of `n` samples; for data that asks for it (`global_order`: token
-    windows) an order that does not depend on the world size, which needs one whole global batch."""
+    windows) an order that does not depend on the world size, which needs one whole global batch.
+    Without `shuffle`, the data set's own order (data.shuffle = false)."""
     if not global_order:
-        return ShardSampler(n, rank, world_size, seed=seed)
-    sampler = GlobalOrderSampler(n, rank, world_size, batch_size, seed=seed, accum=accum)
+        return ShardSampler(n, rank, world_size, seed=seed, shuffle=shuffle)
+    sampler = GlobalOrderSampler(n, rank, world_size, batch_size, seed=seed, accum=accum, shuffle=shuffle)
     if sampler.global_batches == 0:
         raise DataError(
             f"the training set has {n} samples, fewer than one global batch "
