@@ -70,6 +70,19 @@ def test_a_data_set_with_a_take_of_its_own_goes_through_the_general_path(tmp_pat
     assert sorted(first_epoch) == list(range(N))
 
 
+def test_a_dataloader_handed_in_keeps_its_batch_size_collate_fn_and_order(tmp_path):
+    """Trainer(train_data=DataLoader(rows, batch_size=3, shuffle=False, collate_fn=...)): the loader's batch
+    size (not data.batch_size = 4), its collate_fn (rows of lists cannot be collated without it) and its
+    unshuffled order, with dtrain's rank shard added: rank r trains on r, r + 2, ... every epoch."""
+    launch(tmp_path, "loader")
+    assert_falls(tmp_path)
+    assert [m["step"] for m in train_lines(tmp_path / "run")] == list(range(1, 17))  # 8 batches of 3 an epoch
+    for rank in (0, 1):
+        batches = seen(tmp_path, rank)
+        assert {len(batch) for batch in batches} == {3}
+        assert [i for batch in batches for i in batch] == list(range(rank, N, 2)) * 4
+
+
 # --- iterable data ------------------------------------------------------------------------------------
 
 STREAM = ("streaming", "training.max_steps=12")  # 3 steps a pass on each rank: 4 passes

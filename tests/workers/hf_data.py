@@ -5,9 +5,10 @@
 KIND is the training set: `dataset` (a `datasets.Dataset` from a local dict, its rows Python lists, batched
 by the user's `collate_fn`), `dataset-torch` (the same after `set_format("torch")`, default collation),
 `streaming` (a `datasets.IterableDataset` from a generator), `own-take` (a map-style set with a `take(n)`
-method of its own, as many libraries have) or `torch-iterable` (a `torch.utils.data.IterableDataset` of
-numbered samples). Nothing is downloaded. Every rank writes OUT/seen-rank<R>.json, the sample ids of each
-step it trained on (in order); rank 0 writes OUT/facts.json. DTRAIN_TEST_STEP_SLEEP_S slows each step down
+method of its own, as many libraries have), `torch-iterable` (a `torch.utils.data.IterableDataset` of
+numbered samples) or `loader` (a DataLoader over the `dataset` rows, batch size 3, not shuffled). Nothing
+is downloaded. Every rank writes OUT/seen-rank<R>.json, the sample ids of each micro-batch it trained on
+(in order); rank 0 writes OUT/facts.json. DTRAIN_TEST_STEP_SLEEP_S slows each step down
 (to be stopped mid-run).
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import datasets
 import torch
 from hf_gpt2 import BLOCK, VOCAB, tiny_gpt2
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 import dtrain
 
@@ -80,6 +81,9 @@ def training_set(kind: str):
                 yield {key: table[key][i] for key in ("id", "input_ids", "labels")}
 
         return datasets.IterableDataset.from_generator(generate).with_format("torch"), None
+    if kind == "loader":  # the user's own DataLoader: its batch size, collate_fn and order are kept
+        loader = DataLoader(datasets.Dataset.from_dict(rows()), batch_size=3, shuffle=False, collate_fn=stack_rows)
+        return loader, None
     if kind == "own-take":
         return OwnTake(), None
     if kind == "torch-iterable":

@@ -13,6 +13,7 @@ from dtrain.data.datasets import (
     sample_of,
     size_hint,
 )
+from dtrain.data.given import as_given
 from dtrain.data.loaders import Batches, EvalBatches, TrainBatches, samples_in, train_batches
 from dtrain.data.sampler import ShardSampler, eval_shard
 
@@ -23,6 +24,7 @@ __all__ = [
     "ShardSampler",
     "TensorDict",
     "TrainBatches",
+    "as_given",
     "build",
     "check",
     "check_shardable",

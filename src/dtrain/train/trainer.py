@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from dtrain import data, distributed, parallel
 from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
 from dtrain.config import Config, profile_range
-from dtrain.data import Batches, TensorDict
+from dtrain.data import Batches
 from dtrain.errors import DtrainError
 from dtrain.observe import memory
 from dtrain.observe.metrics import StepMetrics, step_tokens
@@ -50,7 +50,8 @@ class Trainer:
     `train_data` / `eval_data` are map-style data sets whose samples may be any shape: tensors, tuples,
     dicts (Hugging Face's included), namedtuples, dataclasses, nested; collated by `collate_fn` (default:
     `default_collate`, dataclasses too). A `TensorDataset` of any number of tensors, or a dict of equally
-    long tensors, takes the fast path (whole batches gathered by index). The loss: `step_fn(model,
+    long tensors, takes the fast path (whole batches gathered by index). `train_data` may also be an
+    iterable data set (data.streams) or a DataLoader (data.given). The loss: `step_fn(model,
     batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
     loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
@@ -64,17 +65,17 @@ class Trainer:
         config: Config | None = None,
         *,
         model: nn.Module,
-        train_data: Dataset | Mapping[str, torch.Tensor],
-        eval_data: Dataset | Mapping[str, torch.Tensor] | None = None,
+        train_data: Dataset | Mapping[str, torch.Tensor] | DataLoader,
+        eval_data: Dataset | Mapping[str, torch.Tensor] | DataLoader | None = None,
         loss_fn: LossFn | None = None,
         step_fn: StepFn | None = None,
         eval_metrics: EvalMetrics | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ):
-        self.config = config or Config()
+        # A dict of tensors becomes a TensorDict; a DataLoader gives its data set and settings (data.given).
+        given = data.as_given(config or Config(), train_data, eval_data, collate_fn)
+        self.config, self.train_data, self.eval_data, collate_fn = given
         self.module = model
-        self.train_data = TensorDict(train_data) if isinstance(train_data, Mapping) else train_data
-        self.eval_data = TensorDict(eval_data) if isinstance(eval_data, Mapping) else eval_data
         self.loss_of, self.eval_metrics, self.collate_fn = LossOf(step_fn, loss_fn), eval_metrics, collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
