@@ -24,6 +24,20 @@ def test_matches_distributed_sampler_index_for_index(n, world, seed):
             assert len(ours) == len(reference)
 
 
+def test_shuffle_false_is_the_data_sets_own_order_for_both_samplers():
+    """data.shuffle = false: DistributedSampler(shuffle=False)'s order, every epoch; for token windows
+    (an order independent of the world size) global batch k holds samples k × global batch onwards."""
+    from dtrain.data.sampler import train_sampler
+
+    for rank in range(3):
+        reference = list(DistributedSampler(list(range(10)), num_replicas=3, rank=rank, shuffle=False))
+        ours = train_sampler(10, rank, 3, 2, seed=4, accum=1, global_order=False, shuffle=False)
+        assert ours.shard(0).tolist() == ours.shard(5).tolist() == reference
+    windows = [train_sampler(26, r, 2, 3, seed=4, accum=2, global_order=True, shuffle=False) for r in (0, 1)]
+    assert windows[0].shard(1).tolist() == [0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20]
+    assert windows[1].shard(1).tolist() == [3, 4, 5, 9, 10, 11, 15, 16, 17, 21, 22, 23]
+
+
 def test_every_sample_once_per_epoch_and_a_new_order_each_epoch():
     n, world = 203, 2  # 1 padded sample
     orders = []

@@ -298,7 +298,12 @@ class DataConfig(Section):
         10, "Classes of the synthetic data set (and of factory data sets that cannot say).", min=2
     )
     on_device: bool = setting(True, "Hold tensor data sets on the GPU and gather batches there.")
-    num_workers: int = setting(0, "DataLoader worker processes (map-style data sets only).", min=0, max=1024)
+    num_workers: int = setting(
+        0,
+        "DataLoader worker processes (an iterable data set's are given every W-th sample of the rank's share).",
+        min=0,
+        max=1024,
+    )
     pin_memory: bool = setting(True, "Pin host batches for faster copies to the GPU (DataLoader, CUDA only).")
     persistent_workers: bool = setting(True, "Keep DataLoader workers alive between epochs.")
     prefetch_factor: int = setting(2, "Batches each DataLoader worker loads ahead.", min=1, max=2**16)
@@ -356,7 +361,9 @@ class SchedulerConfig(Section):
 @dataclass(slots=True)
 class TrainingConfig(Section):
     epochs: int = setting(10, "Passes over the training set.", min=1)
-    max_steps: int = setting(0, "Stop after this many optimizer steps (0: no limit).", min=0)
+    max_steps: int = setting(
+        0, "Stop after this many optimizer steps (0: no limit; an iterable data set's run length, required).", min=0
+    )
     grad_accum_steps: int = setting(
         1, "Micro-batches per optimizer step; all but the last skip the gradient all-reduce.", min=1
     )

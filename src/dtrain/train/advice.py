@@ -14,7 +14,7 @@ from torch import nn
 from dtrain import distributed, parallel
 from dtrain.checkpoint.store import CheckpointStore
 from dtrain.config import Config
-from dtrain.errors import DataError, DtrainError
+from dtrain.errors import DtrainError
 
 
 def check_trainable(module: object) -> None:
@@ -23,15 +23,6 @@ def check_trainable(module: object) -> None:
         raise DtrainError(
             f"the model ({type(module).__name__}) has no trainable parameters: there is nothing to train; "
             f"give a torch.nn.Module with parameters that require gradients"
-        )
-
-
-def check_full_batches(steps_per_epoch: int, batch_size: int, samples_per_process: int) -> None:
-    """Refuse batches that drop_last leaves empty: an epoch of no steps."""
-    if steps_per_epoch == 0:
-        raise DataError(
-            f"data.drop_last=true with data.batch_size={batch_size} leaves no full batch of the "
-            f"{samples_per_process} samples per process; lower data.batch_size or set data.drop_last=false"
         )
 
 
