@@ -164,3 +164,25 @@ def test_an_iterable_without_max_steps_is_refused_in_one_line(tmp_path):
     lines = [line for line in result.stderr.splitlines() if "training.max_steps" in line]
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "iterable data set" in lines[0]
+
+
+class Counting(torch.utils.data.IterableDataset):
+    """0, 1, ..., n - 1, the whole stream in every process and every DataLoader worker."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_on_one_process_dataloader_workers_split_a_torch_iterable_too(workers):
+    """One process, W workers: each worker keeps every W-th sample, so a pass holds each sample once."""
+    from dtrain.config import DataConfig
+    from dtrain.data.streams import StreamBatches
+
+    data = DataConfig(batch_size=4, num_workers=workers)
+    stream = StreamBatches(Counting(24), data, 1, 6, 0, 1, torch.device("cpu")).stream(0)
+    ids = [int(i) for _ in range(6) for i in next(stream)[0]]
+    assert sorted(ids) == list(range(24))

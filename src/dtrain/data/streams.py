@@ -70,13 +70,15 @@ class RankShare(IterableDataset):
 
 
 def rank_share(dataset: Any, rank: int, world_size: int) -> Any:
+    """This rank's share. Hugging Face's set splits itself among DataLoader workers too; any other is
+    wrapped even on one process, so that its workers do not each yield the whole stream."""
+    if not _is_hugging_face(dataset):
+        return RankShare(dataset, rank, world_size)
     if world_size == 1:
         return dataset
-    if _is_hugging_face(dataset):
-        from datasets.distributed import split_dataset_by_node
+    from datasets.distributed import split_dataset_by_node
 
-        return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
-    return RankShare(dataset, rank, world_size)
+    return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
 
 
 class StreamPosition:
