@@ -131,6 +131,34 @@ def test_resolved_config_round_trips(tmp_path):
         ("data.input_shape=[1,", "its '[' is never closed: the shell split it at a space; quote the whole override"),
         ("run.dir=x]", "run.dir = x] on the command line: its ']' closes nothing; leave it out, or write a whole"),
         ("model.options={a = 1", "its '{' is never closed; quote the whole override for the shell, e.g. 'model.op"),
+        # optimizers and schedules (any of torch's by name, their own keyword arguments)
+        (
+            "optimizer.name=adamx",
+            "optimizer.name = 'adamx' is not an optimizer dtrain can step; use one of torch.optim's",
+        ),
+        ("optimizer.name=adamx", "did you mean 'Adamax'?"),
+        ("optimizer.name=LBFGS", "(LBFGS needs a closure that re-evaluates the loss)"),
+        (
+            "optimizer.kwargs={amsgrad = true}",
+            "optimizer.kwargs has 'amsgrad', which SGD does not take; it takes dampening",
+        ),
+        ("optimizer.kwargs={lr = 1}", "optimizer.kwargs has 'lr': set optimizer.lr instead"),
+        ("optimizer.betas=[0.9, 0.95]", "optimizer.betas is set and SGD does not use it; leave it out"),
+        ("optimizer.groups=[{lr = 1e-4}]", "optimizer.groups[0] needs params, a name pattern or a list of them"),
+        ("optimizer.groups=[{params = 'a', lr = -1}]", "optimizer.groups[0].lr must be a number >= 0; got -1"),
+        ('optimizer.groups=[{params = "a", alpha = 1}]', "optimizer.groups[0] has 'alpha', which SGD does not take"),
+        ('optimizer.no_decay=[""]', "optimizer.no_decay holds an empty pattern"),
+        ("scheduler.name=cosin", "scheduler.name = 'cosin' is no schedule; use one of constant, constant_with_warmup"),
+        ("scheduler.name=cosin", "did you mean 'cosine'?"),
+        ("scheduler.name=steplr", "scheduler.name = StepLR needs step_size: scheduler.kwargs = {step_size = ...}"),
+        (
+            "scheduler.kwargs={num_cycles = 2}",
+            "scheduler.kwargs has 'num_cycles', which scheduler.name = constant does",
+        ),
+        (
+            "scheduler.name=warmup_stable_decay",
+            "needs the length of its decay: scheduler.kwargs = {num_decay_steps = N}",
+        ),
     ],
 )
 def test_bad_overrides_get_one_clear_line(override, message):
@@ -171,6 +199,34 @@ def test_a_script_with_its_own_model_may_leave_model_name_as_it_is():
     (examples/hf_causal_lm.py: token data, model.name left at mlp) never uses it. dtrain run and dtrain
     config, which build model.name, refuse a model that cannot train on the data (test_cli_errors)."""
     assert load_config(None, ["data.name=tokens"]).model.name == "mlp"
+
+
+def test_optimizer_and_schedule_settings_that_cannot_work_are_refused_in_one_line():
+    refusals = [
+        (["optimizer.name=Rprop", "optimizer.weight_decay=0.1"], "optimizer.weight_decay is set and Rprop takes no"),
+        (
+            ["optimizer.name=Adagrad", "optimizer.kwargs={betas = [0.9, 0.9]}"],
+            "optimizer.kwargs has 'betas', which Adagrad does not take; it takes lr_decay, initial_accumulator_value",
+        ),
+        (["scheduler.name=StepLR", "scheduler.warmup_steps=5"], "scheduler.warmup_steps shapes dtrain's own schedules"),
+        (
+            ["scheduler.name=StepLR", "scheduler.kwargs={size = 3}"],
+            "scheduler.kwargs has 'size', which StepLR does not",
+        ),
+        (["scheduler.name=cosine", "scheduler.min_lr=1e-4", "scheduler.min_lr_ratio=0.1"], "set one of them"),
+        (["scheduler.name=constant", "scheduler.decay_steps=10"], "constant never decays to a floor; leave it out"),
+        (["scheduler.name=cosine", "scheduler.warmup_steps=10", "scheduler.decay_steps=10"], "ends the decay before"),
+        (
+            ["scheduler.name=warmup_stable_decay", "scheduler.kwargs={num_decay_steps = 5, decay_type = 'cube'}"],
+            "scheduler.kwargs.decay_type = 'cube': use linear, cosine or 1-sqrt",
+        ),
+    ]
+    for overrides, message in refusals:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, overrides)
+        assert message in str(info.value) and "\n" not in str(info.value), overrides
+    assert load_config(None, ["optimizer.name=AdamW", "optimizer.betas=[0.9, 0.95]"]).optimizer.key == "adamw"
+    assert load_config(None, ["optimizer.name=my.pkg:Opt", "optimizer.kwargs={anything = 1}"]).optimizer.kwargs
 
 
 def test_settings_that_contradict_each_other_are_refused():

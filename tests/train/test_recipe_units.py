@@ -7,16 +7,18 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dtrain
-from dtrain.config import OptimizerConfig, SchedulerConfig
-from dtrain.train.optim import LRShape, build_optimizer, build_scheduler
+from dtrain.config import Config, OptimizerConfig
+from dtrain.train.optim import build, build_optimizer
+from dtrain.train.schedules import Shape
 from helpers import WORKERS, ok
 from helpers import dtrain as dtrain_cli
 
 
 def lrs(name, warmup, total, floor=0.0):
-    model = torch.nn.Linear(2, 2)
-    optimizer = build_optimizer(OptimizerConfig(lr=0.5), model.parameters())
-    scheduler = build_scheduler(SchedulerConfig(name=name, warmup_steps=warmup, min_lr_ratio=floor), optimizer, total)
+    config = Config.from_dict(
+        {"optimizer": {"lr": 0.5}, "scheduler": {"name": name, "warmup_steps": warmup, "min_lr_ratio": floor}}
+    )
+    optimizer, scheduler = build(config, torch.nn.Linear(2, 2), (None, None), torch.device("cpu"), total)
     seen = []
     for _ in range(total):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -26,8 +28,9 @@ def lrs(name, warmup, total, floor=0.0):
 
 
 def test_warmup_then_constant():
+    """Warm-up as transformers': step k of 4 at k/4 of the peak, the first at 0."""
     seen = lrs("constant", 4, 10)
-    assert seen[:4] == pytest.approx([0.125, 0.25, 0.375, 0.5])
+    assert seen[:4] == pytest.approx([0.0, 0.125, 0.25, 0.375])
     assert seen[4:] == pytest.approx([0.5] * 6)
 
 
@@ -36,7 +39,7 @@ def test_cosine_decays_to_the_floor():
     assert seen[2] == pytest.approx(0.5)
     assert seen[7] == pytest.approx(0.05 + 0.45 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert all(a >= b for a, b in zip(seen[2:], seen[3:]))
-    assert LRShape(SchedulerConfig(name="cosine", warmup_steps=2, min_lr_ratio=0.1), 12)(12) == pytest.approx(0.1)
+    assert Shape("cosine", 2, 12, 0.1, {})(12) == pytest.approx(0.1)  # the multiplier at the end: the floor
 
 
 def test_linear_decay():
@@ -45,7 +48,7 @@ def test_linear_decay():
 
 
 def test_optimizers():
-    params = list(torch.nn.Linear(2, 2).parameters())
+    params = torch.nn.Linear(2, 2)
     sgd = build_optimizer(OptimizerConfig(name="sgd", lr=0.1, momentum=0.8, nesterov=True), params)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.8 and sgd.defaults["nesterov"]
     adamw = build_optimizer(OptimizerConfig(name="adamw", lr=1e-3, betas=[0.8, 0.9], weight_decay=0.1), params)

@@ -214,6 +214,12 @@ class OptimizerPart(Part):
 
     def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
         groups = saved.trainer["optimizer"]["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise CheckpointError(
+                f"checkpoint {saved.name}'s optimizer has {len(groups)} parameter groups and this run's has "
+                f"{len(self.optimizer.param_groups)} (optimizer.groups, optimizer.no_decay or whether weight decay "
+                f"is 0 changed); resume with the groups it was written with, or start a new run.dir"
+            )
         for saved_group, live in zip(groups, self.optimizer.param_groups):
             # How the optimizer computes is this run's choice (fused on CUDA, not on the CPU), not the
             # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
@@ -239,16 +245,25 @@ def _optimizer_problem(optimizer: Any) -> str | None:
         return "its optimizer entry is malformed"
     for group in optimizer["param_groups"]:
         for key, value in group.items():
+            # Rates are >= 0; another optimizer's settings may be below 0 or absent (Adafactor's beta2_decay
+            # -0.8, its eps (None, 1e-3)).
+            fits = _rate if key in ("lr", "initial_lr", "weight_decay") else _number
             if key != "params" and not (
                 value is None
                 or isinstance(value, bool)
-                or _rate(value)
-                or (isinstance(value, list) and value and all(_rate(v) for v in value))
+                or fits(value)
+                or (
+                    isinstance(value, list) and value and all(fits(v) or (v is None and fits is _number) for v in value)
+                )
             ):
                 return (
                     f"optimizer setting {key} is {value!r}, not a finite number >= 0, true/false or a list of numbers"
                 )
     return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _rate(value: Any) -> bool:

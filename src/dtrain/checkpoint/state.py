@@ -64,7 +64,7 @@ class Parts:
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: Any  # an LRScheduler, or the train package's Schedule around one: state_dict / load_state_dict
     scaler: torch.amp.GradScaler
     rank: int
     world_size: int

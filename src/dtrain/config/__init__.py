@@ -3,7 +3,8 @@
 Every setting is declared once, in sections.py, with its type, default, bounds and a sentence of help;
 loading, overriding, validating, writing `config.toml` and the README's reference table all come from
 that one declaration (settings.py: the declaration and coercion; job.py: the whole config). Nothing
-here imports torch: the launcher reads configs before any worker starts.
+here imports torch but to check a name from torch (an optimizer beyond sgd and adamw, a torch.optim.lr_scheduler
+class): the launcher reads configs before any worker starts.
 """
 
 from dtrain.config.job import (

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dtrain import objstore
+from dtrain.config import torch_names
 from dtrain.config.settings import A_YEAR, coerce, setting
 from dtrain.errors import ConfigError
 
@@ -331,31 +332,169 @@ class DataConfig(Section):
 
 @dataclass(slots=True)
 class OptimizerConfig(Section):
-    name: Literal["sgd", "adamw"] = setting("sgd", "sgd (with momentum) or adamw.")
+    name: str = setting(
+        "sgd",
+        "Any optimizer of torch.optim by its class name, any case (sgd, adamw, Adam, Adagrad, RMSprop, NAdam, "
+        "RAdam, Adamax, Adadelta, ASGD, Rprop, Adafactor, Muon), or a factory 'package.module:Class' called "
+        "with the parameter groups, lr and weight_decay (where it names them) and optimizer.kwargs.",
+    )
     lr: float = setting(0.01, "Peak learning rate.", above=0)
-    momentum: float = setting(0.9, "SGD momentum.", min=0, max=1)
+    momentum: float = setting(0.9, "SGD momentum (another optimizer's through optimizer.kwargs).", min=0, max=1)
     nesterov: bool = setting(False, "Nesterov momentum for SGD.")
-    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0)
-    betas: list[float] = setting([0.9, 0.999], "AdamW betas.")
-    eps: float = setting(1e-8, "AdamW epsilon.", above=0)
+    weight_decay: float = setting(
+        0.0, "Weight decay (decoupled for adamw), of every parameter but optimizer.no_decay's.", min=0
+    )
+    betas: list[float] = setting([0.9, 0.999], "betas of the Adam family (adamw, Adam, NAdam, RAdam, Adamax).")
+    eps: float = setting(1e-8, "epsilon of the Adam family.", above=0)
+    kwargs: dict = setting(
+        {},
+        "More keyword arguments of the optimizer, as its class names them, e.g. {amsgrad = true} or, for "
+        "RMSprop, {alpha = 0.9, momentum = 0.5}; a key it does not take is refused.",
+    )
+    no_decay: list[str] = setting(
+        ["ndim<2"],
+        "Parameters trained with weight_decay 0: ndim<2 (every parameter of fewer than two dimensions: biases, "
+        "norm weights; nanoGPT's and Hugging Face Trainer's rule, which decay embeddings), embeddings (the "
+        "weights of nn.Embedding modules), or name patterns such as '*.bias'; [] decays every parameter.",
+    )
+    groups: list[dict] = setting(
+        [],
+        "Parameter groups with their own settings: tables of params (a name pattern, or a list of them, "
+        "matched against the model's own parameter names; first group wins) and optimizer settings, e.g. "
+        "[{params = 'lm_head.*', lr = 1e-4}]. Their lr follows the schedule like optimizer.lr.",
+    )
 
     def check(self) -> None:
-        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+        if self.nesterov and self.momentum == 0:
             raise ConfigError(
                 "optimizer.nesterov = true needs momentum: set optimizer.momentum above 0 (0.9 is usual), "
                 "or optimizer.nesterov=false"
             )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optimizer.betas = {self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if any(not item.strip() for item in self.no_decay):
+            raise ConfigError('optimizer.no_decay holds an empty pattern; e.g. optimizer.no_decay=["ndim<2"]')
+        for i, group in enumerate(self.groups):
+            _check_group(f"optimizer.groups[{i}]", group)
+        if _is_factory_ref(self.name):
+            return  # the factory's own arguments are checked when it is called
+        plain = not self.kwargs and all(set(group) <= {"params", "lr", "weight_decay"} for group in self.groups)
+        if plain and self.name.lower() in torch_names.FAMILIAR:  # known without importing torch
+            class_name, own, takes = *torch_names.FAMILIAR[self.name.lower()], []
+        else:
+            cls = torch_names.optimizer_class(self.name)
+            class_name, own = cls.__name__, tuple(torch_names.config_keys(cls))
+            takes = torch_names.keywords(cls, skip=("params",))
+        for key, default in (("momentum", 0.9), ("nesterov", False), ("betas", [0.9, 0.999]), ("eps", 1e-8)):
+            if key not in own and getattr(self, key) != default:
+                raise ConfigError(
+                    f"optimizer.{key} is set and {class_name} does not use it; leave it out"
+                    + (f", or give {class_name}'s own as optimizer.kwargs" if key in takes else "")
+                )
+        if "weight_decay" not in own and self.weight_decay:
+            raise ConfigError(f"optimizer.weight_decay is set and {class_name} takes no weight decay; leave it out")
+        own_here = [key for key in self.kwargs if key in own or key == "params"]
+        if own_here:
+            raise ConfigError(f"optimizer.kwargs has '{own_here[0]}': set optimizer.{own_here[0]} instead")
+        if not plain:
+            torch_names.refuse_unknown("optimizer.kwargs", self.kwargs, [k for k in takes if k not in own], class_name)
+            for i, group in enumerate(self.groups):
+                torch_names.refuse_unknown(f"optimizer.groups[{i}]", group, ["params", *takes], class_name)
+
+    @property
+    def key(self) -> str:
+        """The optimizer as a checkpoint records it: a torch class by its lower-case name (sgd, adamw)."""
+        return self.name if _is_factory_ref(self.name) else self.name.lower()
+
+
+def _check_group(key: str, group: dict) -> None:
+    patterns = group.get("params")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not (isinstance(patterns, list) and patterns and all(isinstance(p, str) and p.strip() for p in patterns)):
+        raise ConfigError(
+            f"{key} needs params, a name pattern or a list of them, e.g. {{params = 'lm_head.*', lr = 1e-4}}"
+        )
+    for name, value in group.items():
+        if name in ("lr", "weight_decay", "eps", "momentum") and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+        ):
+            raise ConfigError(f"{key}.{name} must be a number >= 0; got {value!r}")
 
 
 @dataclass(slots=True)
 class SchedulerConfig(Section):
-    name: Literal["constant", "cosine", "linear"] = setting(
-        "constant", "Learning-rate shape after warm-up: constant, cosine or linear decay."
+    name: str = setting(
+        "constant",
+        "The learning rate over the run: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, "
+        "polynomial, inverse_sqrt, warmup_stable_decay (transformers.get_scheduler's, computed by dtrain), or "
+        "a torch.optim.lr_scheduler class by name (StepLR, OneCycleLR, ...; any case) with scheduler.kwargs.",
     )
-    warmup_steps: int = setting(0, "Optimizer steps of linear warm-up from 0 to optimizer.lr.", min=0)
-    min_lr_ratio: float = setting(0.0, "Where cosine and linear decay end, as a share of optimizer.lr.", min=0, max=1)
+    warmup_steps: int = setting(
+        0,
+        "Optimizer steps of linear warm-up from 0 to optimizer.lr, as transformers': the first step's "
+        "learning rate is 0 (warmup_stable_decay: from the floor).",
+        min=0,
+    )
+    decay_steps: int = setting(
+        0,
+        "The step at which the decay reaches its floor, after which the learning rate stays there "
+        "(nanoGPT's lr_decay_iters; 0: the run's last step).",
+        min=0,
+    )
+    min_lr: float = setting(
+        0.0, "Where linear, cosine, polynomial and warmup_stable_decay end (polynomial's lr_end).", min=0
+    )
+    min_lr_ratio: float = setting(0.0, "The same floor as a share of optimizer.lr (set one of the two).", min=0, max=1)
+    kwargs: dict = setting(
+        {},
+        "The schedule's own options: cosine {num_cycles}, cosine_with_restarts {num_cycles}, polynomial "
+        "{power}, inverse_sqrt {timescale}, warmup_stable_decay {num_decay_steps, warmup_type, decay_type, "
+        "num_cycles} (transformers' names and defaults); a torch class's arguments (e.g. StepLR "
+        "{step_size = 100, gamma = 0.5}; OneCycleLR's total_steps and CosineAnnealingLR's T_max default to "
+        "the run's steps).",
+    )
+
+    def check(self) -> None:
+        cls = torch_names.scheduler_class(self.name)
+        if cls is not None:
+            shaped = [k for k in ("warmup_steps", "decay_steps", "min_lr", "min_lr_ratio") if getattr(self, k)]
+            if shaped:
+                raise ConfigError(
+                    f"scheduler.{shaped[0]} shapes dtrain's own schedules, not {cls.__name__}; give its "
+                    f"arguments as scheduler.kwargs, e.g. scheduler.kwargs={{gamma = 0.9}}"
+                )
+            torch_names.refuse_unknown(
+                "scheduler.kwargs", self.kwargs, torch_names.keywords(cls, skip=("optimizer",)), cls.__name__
+            )
+            missing = [key for key in torch_names.required(cls) if key not in self.kwargs]
+            if missing:
+                raise ConfigError(
+                    f"scheduler.name = {cls.__name__} needs {', '.join(missing)}: "
+                    f"scheduler.kwargs = {{{', '.join(f'{key} = ...' for key in missing)}}}"
+                )
+            return
+        options = torch_names.SCHEDULE_OPTIONS.get(self.name, {})
+        torch_names.refuse_unknown("scheduler.kwargs", self.kwargs, list(options), f"scheduler.name = {self.name}")
+        if self.min_lr and self.min_lr_ratio:
+            raise ConfigError("scheduler.min_lr and scheduler.min_lr_ratio both set the floor; set one of them")
+        ends = self.name not in ("constant", "constant_with_warmup", "inverse_sqrt")
+        for key in ("decay_steps", "min_lr"):
+            if getattr(self, key) and not ends:
+                raise ConfigError(f"scheduler.{key} is set and {self.name} never decays to a floor; leave it out")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"scheduler.decay_steps = {self.decay_steps} ends the decay before warm-up ends "
+                f"(scheduler.warmup_steps = {self.warmup_steps}); make it larger"
+            )
+        if self.name == "warmup_stable_decay" and not isinstance(self.kwargs.get("num_decay_steps"), int):
+            raise ConfigError(
+                "scheduler.name = warmup_stable_decay needs the length of its decay: scheduler.kwargs = "
+                "{num_decay_steps = N} (steps)"
+            )
+        for key in ("warmup_type", "decay_type"):
+            if key in self.kwargs and self.kwargs[key] not in ("linear", "cosine", "1-sqrt"):
+                raise ConfigError(f"scheduler.kwargs.{key} = {self.kwargs[key]!r}: use linear, cosine or 1-sqrt")
 
 
 @dataclass(slots=True)

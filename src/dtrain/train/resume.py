@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -25,10 +25,12 @@ from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 from dtrain.observe.monitor import Monitor
 from dtrain.observe.trackers import restart_line
-from dtrain.train.optim import LRShape
+from dtrain.train.schedules import Schedule
 
-# The optimizer settings a config sets besides the learning rate (which the schedule owns).
-_HYPERPARAMETERS = ("momentum", "nesterov", "weight_decay", "betas", "eps")
+# A group's keys that are not its settings: its parameters, and the learning rate (which the schedule owns).
+_NOT_SETTINGS = ("params", "lr", "initial_lr", "param_names")
+# How torch computes (fused on CUDA, ...): this run's choice, never a change to report.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 class ResumePlan:
@@ -96,7 +98,7 @@ class ResumePlan:
         self,
         checkpointer: Checkpointer,
         resume_from: Checkpoint,
-        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | Schedule,
         total_steps: int,
     ) -> Position:
         """Load `resume_from`, then put the config's plan and optimizer settings over the checkpoint's."""
@@ -109,14 +111,16 @@ class ResumePlan:
                 f"that run, or start a new run.dir"
             )
         optimizer = scheduler.optimizer
-        wanted = _hyperparameters(optimizer)  # the config's, before the checkpoint's replace them
+        driven = scheduler.drives if isinstance(scheduler, Schedule) else ()
+        wanted = _settings(optimizer, driven)  # the config's, before the checkpoint's replace them
         position = checkpointer.restore(resume_from)
         respread = ", ".join(
             f"{key} {position.setup[key]} → {value}"
             for key, value in checkpointer.parts.setup.items()
             if key in position.setup and position.setup[key] != value
         )
-        rescheduled = follow_the_configs_plan(scheduler, cfg, total_steps)
+        # A Schedule loaded a checkpoint of another plan (length, schedule, peak) by rebuilding this one's.
+        rescheduled = scheduler.replanned if isinstance(scheduler, Schedule) else None
         changes = (rescheduled, follow_the_configs_optimizer(optimizer, wanted), respread)
         self.resumed_from, self.rescheduled = resume_from, rescheduled is not None
         self.replanned = ", ".join(filter(None, changes)) or None
@@ -213,7 +217,7 @@ def check_stateful(parts: dict[str, Any], set_up: bool) -> None:
 def identity(config: Config, train_samples: int | str) -> dict[str, Any]:
     """What a checkpoint must share with this run to be resumed by it at all."""
     return {
-        "optimizer.name": config.optimizer.name,
+        "optimizer.name": config.optimizer.key,
         "run.seed": config.run.seed,
         "data.name": config.data.name,
         "training samples": train_samples,
@@ -241,60 +245,34 @@ def spread(config: Config) -> dict[str, Any]:
     }
 
 
-def unschedule(scheduler: torch.optim.lr_scheduler.LambdaLR, skipped: int) -> None:
+def unschedule(scheduler: torch.optim.lr_scheduler.LRScheduler | Schedule, skipped: int) -> None:
     """Take the steps GradScaler skipped back out of the LR schedule, so that it follows the
     optimizer's real updates (warm-up is not spent on steps that changed nothing). Every rank
     does it at the same log step, with the same count."""
+    if isinstance(scheduler, Schedule):
+        scheduler.rewind(skipped)
+        return
     scheduler.last_epoch -= skipped + 1
-    scheduler.step()  # recomputes every group's lr at the corrected position
+    scheduler.step()  # recomputes every group's lr at the corrected position (a closed-form schedule's)
 
 
-def follow_the_configs_optimizer(optimizer: torch.optim.Optimizer, wanted: dict[str, Any]) -> str | None:
-    """The config's optimizer settings (momentum, weight decay, betas, …) over the checkpoint's, which
-    loading its state brought back. What changed, or None."""
-    restored = _hyperparameters(optimizer)
-    changes = [
-        f"optimizer.{key} {_plain(restored[key])} → {_plain(value)}"
-        for key, value in wanted.items()
-        if _plain(restored.get(key)) != _plain(value)
-    ]
-    for group in optimizer.param_groups:
-        group.update(wanted)
+def follow_the_configs_optimizer(optimizer: torch.optim.Optimizer, wanted: list[dict[str, Any]]) -> str | None:
+    """The config's optimizer settings (momentum, weight decay, betas, …, group by group) over the
+    checkpoint's, which loading its state brought back. What changed, or None."""
+    restored = _settings(optimizer, ())
+    changes: dict[str, None] = {}  # in order, each once
+    for group, before, now in zip(optimizer.param_groups, restored, wanted):
+        for key, value in now.items():
+            if key not in _IMPLEMENTATION and _plain(before.get(key)) != _plain(value):
+                changes[f"optimizer.{key} {_plain(before.get(key))} → {_plain(value)}"] = None
+        group.update(now)
     return ", ".join(changes) or None
 
 
-def follow_the_configs_plan(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Config, total_steps: int) -> str | None:
-    """On resume the config governs: a changed length (training.epochs / max_steps), schedule or peak
-    learning rate rebuilds the LR schedule for the new plan at the restored position — the restored
-    one would keep the old plan (and, extended past its end, train at its final learning rate, 0 for a
-    decay). What changed, or None."""
-    restored, wanted = cast(LRShape, scheduler.lr_lambdas[0]), LRShape(cfg.scheduler, total_steps)
-    peak = cfg.optimizer.lr
-    changes = [
-        f"{label} {a:g} → {b:g}" if isinstance(a, (int, float)) else f"{label} {a} → {b}"
-        for label, a, b in (
-            ("steps", restored.total, wanted.total),
-            ("scheduler.name", restored.name, wanted.name),
-            ("scheduler.warmup_steps", restored.warmup, wanted.warmup),
-            ("scheduler.min_lr_ratio", restored.floor, wanted.floor),
-            ("optimizer.lr", scheduler.base_lrs[0], peak),
-        )
-        if a != b
-    ]
-    if not changes:
-        return None
-    groups = scheduler.optimizer.param_groups
-    scheduler.lr_lambdas = [LRShape(cfg.scheduler, total_steps) for _ in groups]
-    scheduler.base_lrs = [peak] * len(groups)
-    for group in groups:
-        group["initial_lr"] = peak
-    unschedule(scheduler, 0)  # every group's lr for the restored position under the new plan
-    return ", ".join(changes)
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    group = optimizer.param_groups[0]
-    return {key: group[key] for key in _HYPERPARAMETERS if key in group}
+def _settings(optimizer: torch.optim.Optimizer, driven: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each group's settings, less those the schedule sets (`driven`)."""
+    skip = (*_NOT_SETTINGS, *driven)
+    return [{k: v for k, v in group.items() if k not in skip} for group in optimizer.param_groups]
 
 
 def _plain(value: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from dtrain import data, distributed, parallel
@@ -35,12 +35,12 @@ from dtrain.observe.steptime import StepTimer
 from dtrain.observe.watchdog import HangWatch
 from dtrain.rundir.claim import RunDirClaim
 from dtrain.rundir.mirror import local_dir
-from dtrain.train import advice, resume
+from dtrain.train import advice, optim, resume
 from dtrain.train.amp import Precision, precision_for
 from dtrain.train.compiling import compiling_step
 from dtrain.train.evaluation import EvalMetrics, Evaluator
 from dtrain.train.loss import LossFn, LossOf, StepFn, StepShares
-from dtrain.train.optim import build_optimizer, build_scheduler, planned_steps
+from dtrain.train.schedules import Schedule
 from dtrain.train.stopping import StopAgreement, StopRequest
 
 
@@ -55,9 +55,10 @@ class Trainer:
     batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
     loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
-    eval sample exactly. After `setup()`, `strategy` is the strategy spreading the model over the
-    processes (`distributed.strategy`), `model` what the step calls (DDP's wrapper; under FSDP the
-    sharded module itself; the plain module at world size 1), `module` the user's own.
+    eval sample exactly. `optimizer`, `scheduler`: objects or factories, else the config's (optim.py).
+    After `setup()`, `strategy` is the strategy spreading the model over the processes
+    (`distributed.strategy`), `model` what the step calls (DDP's wrapper; under FSDP the sharded module
+    itself; the plain module at world size 1), `module` the user's own.
     """
 
     def __init__(
@@ -71,6 +72,8 @@ class Trainer:
         step_fn: StepFn | None = None,
         eval_metrics: EvalMetrics | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        optimizer: optim.OptimizerArg | None = None,
+        scheduler: optim.SchedulerArg | None = None,
     ):
         # A dict of tensors becomes a TensorDict; a DataLoader gives its data set and settings (data.given).
         given = data.as_given(config or Config(), train_data, eval_data, collate_fn)
@@ -93,8 +96,8 @@ class Trainer:
         self.timer: StepTimer | None = None
         self.metrics: StepMetrics | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.total_steps = 0
-        self.scheduler: LambdaLR | None = None
+        self.scheduler: LRScheduler | Schedule | None = None
+        self.total_steps, self.given_optim = 0, (optimizer, scheduler)  # objects or factories, else the config's
         self.evaluator: Evaluator | None = None
         self.claim: RunDirClaim | None = None
         self.checkpointer: Checkpointer | None = None
@@ -153,9 +156,8 @@ class Trainer:
         self.strategy = parallel.build(cfg, session, self.module, self.timer)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model = self.strategy.model
-        self.optimizer = build_optimizer(cfg.optimizer, self.module.parameters(), device)
-        self.total_steps = planned_steps(cfg.training, batches.steps_per_epoch)
-        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, self.total_steps)
+        self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
+        self.optimizer, self.scheduler = optim.build(cfg, self.module, self.given_optim, device, self.total_steps)
         self.evaluator = Evaluator.of(
             self.eval_data, session, cfg, self.collate_fn, self.loss_of, self.eval_metrics, self.precision, self.timer
         )
