@@ -175,10 +175,10 @@ def test_an_unknown_gpu_gets_no_peak_unless_the_user_gives_one():
 
 
 def test_adamw_is_fused_on_cuda_and_sgd_never():
-    assert implementation_options("adamw", torch.device("cuda", 0)) == {"fused": True}
+    assert implementation_options(torch.optim.AdamW, torch.device("cuda", 0)) == {"fused": True}
     # torch's fused SGD fills momentum with uninitialised memory on a step GradScaler skips
-    assert implementation_options("sgd", torch.device("cuda", 0)) == {}
-    assert implementation_options("adamw", torch.device("cpu")) == {}
+    assert implementation_options(torch.optim.SGD, torch.device("cuda", 0)) == {}
+    assert implementation_options(torch.optim.AdamW, torch.device("cpu")) == {}
 
 
 FP16_JOB = {
@@ -208,7 +208,7 @@ def fused(monkeypatch):
     """AdamW fused as on CUDA (torch 2.13 has the fused kernel on the CPU too)."""
 
     def use(on: bool):
-        monkeypatch.setattr(dtrain.train.optim, "implementation_options", lambda name, device: {"fused": on})
+        monkeypatch.setattr(dtrain.train.optim, "implementation_options", lambda cls, device: {"fused": on})
 
     return use
 

@@ -122,8 +122,8 @@ def test_decay_steps_ends_the_decay_early_then_holds_min_lr(name):
 
 def test_a_group_lr_follows_the_schedule_in_proportion():
     seen = dtrain_lrs(TOTAL, groups=[{"params": "bias", "lr": 0.05}], name="cosine", warmup_steps=4)
-    assert all(abs(g[0] * PEAK / 0.05 - g[1]) < 1e-12 for g in seen)  # [bias's (the group), weight's]
-    assert seen[10][0] == pytest.approx(0.05 * hf_lrs("cosine", 10, 4)[10] / PEAK, abs=1e-12)
+    assert all(abs(g[1] * PEAK / 0.05 - g[0]) < 1e-12 for g in seen)  # [weight's, bias's (the group)]
+    assert seen[10][1] == pytest.approx(0.05 * hf_lrs("cosine", 10, 4)[10] / PEAK, abs=1e-12)
 
 
 def test_a_torch_scheduler_by_name_with_its_kwargs():

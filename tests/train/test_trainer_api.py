@@ -190,3 +190,42 @@ def test_a_loss_that_never_changes_is_said_once(tmp_path, capfd):
     ]
     dtrain.Trainer(config(tmp_path / "learns", **sections), model=model(), train_data=data()).fit()
     assert "nothing trains" not in capfd.readouterr().err
+
+
+def test_an_optimizer_and_scheduler_given_in_code_train_and_resume_exactly(tmp_path):
+    """Trainer(optimizer=..., scheduler=...) as objects over the model's parameters, or as factories (of
+    the parameter groups, resp. the optimizer); stopped and resumed, the factories' run ends with the
+    uninterrupted run's weights bit for bit. An optimizer over other parameters is refused in one line."""
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.01, weight_decay=0.1)
+
+    def steps(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+
+    net = model()
+    optimizer = torch.optim.RMSprop(net.parameters(), lr=0.005)
+    trainer = dtrain.Trainer(config(tmp_path / "objects"), model=net, train_data=data(), optimizer=optimizer)
+    trainer.fit()
+    assert trainer.optimizer is optimizer and trainer.step == 12
+
+    whole = dtrain.Trainer(
+        config(tmp_path / "whole"), model=model(), train_data=data(), optimizer=adam, scheduler=steps
+    )
+    whole.fit()
+    assert type(whole.optimizer) is torch.optim.Adam and type(whole.scheduler) is torch.optim.lr_scheduler.StepLR
+    # The factory got optimizer.no_decay's groups: the biases at weight_decay 0, the matrices at Adam's 0.1.
+    assert sorted(g["weight_decay"] for g in whole.optimizer.param_groups) == [0.0, 0.1]
+    assert whole.optimizer.param_groups[0]["lr"] == 0.01 * 0.5**3  # 12 steps of StepLR(4, 0.5)
+    run = tmp_path / "stopped"
+    dtrain.Trainer(
+        config(run, training={"stop_at_step": 5}), model=model(), train_data=data(), optimizer=adam, scheduler=steps
+    ).fit()
+    resumed = dtrain.Trainer(config(run), model=model(), train_data=data(), optimizer=adam, scheduler=steps)
+    resumed.fit()
+    for a, b in zip(whole.module.state_dict().values(), resumed.module.state_dict().values()):
+        assert torch.equal(a, b)
+
+    foreign = torch.optim.SGD(model().parameters(), lr=0.1)
+    with pytest.raises(dtrain.DtrainError, match=r"^Trainer\(optimizer=\.\.\.\) holds parameters the model does not"):
+        dtrain.Trainer(config(tmp_path / "foreign"), model=model(), train_data=data(), optimizer=foreign).setup()

@@ -17,9 +17,10 @@ EMBEDDINGS = "embeddings"  # nn.Embedding weights (tokens, positions): decayed b
 
 
 def param_groups(module: nn.Module, no_decay: list[str], groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Torch's parameter groups: one per optimizer.groups entry (first matching pattern wins) and one for
-    the rest, each split in two where `no_decay` exempts some of its parameters (`weight_decay` 0 there,
-    whatever the group says). Empty groups are left out; every parameter is in exactly one group."""
+    """Torch's parameter groups: one for the parameters no optimizer.groups entry names, then one per entry
+    (the first whose pattern matches a name takes it), each split in two where `no_decay` exempts some of
+    its parameters (`weight_decay` 0 there, whatever the group says). Empty groups are left out; every
+    parameter is in exactly one group."""
     named = list(module.named_parameters())  # a tied matrix once, under its first name
     embedded = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     patterns = [[g["params"]] if isinstance(g["params"], str) else list(g["params"]) for g in groups]
@@ -39,7 +40,8 @@ def param_groups(module: nn.Module, no_decay: list[str], groups: list[dict[str, 
         return next((i for i, p in enumerate(patterns) if any(fnmatchcase(name, x) for x in p)), len(groups))
 
     built: list[dict[str, Any]] = []
-    for index, settings in enumerate([*groups, {}]):
+    # The rest first: group 0 is optimizer.lr's, the learning rate the run logs.
+    for index, settings in [(len(groups), {}), *enumerate(groups)]:
         own = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k != "params"}
         for exempted in (False, True):
             params = [p for n, p in named if group_of(n) == index and exempt(n, p) == exempted]

@@ -187,6 +187,8 @@ class Schedule:
 
     def rebuild(self, step: int) -> None:
         """This spec's schedule at `step`: every group back at its peak, a new scheduler, advanced to `step`."""
+        if not 0 <= step <= self.spec["steps"]:  # a checkpoint's number, judged before a replay counts to it
+            raise ValueError(f"its schedule is at step {step}, outside this run's {self.spec['steps']} steps")
         for group, lr in zip(self.optimizer.param_groups, self.spec["lrs"]):
             group["lr"] = group["initial_lr"] = lr
         self.inner = self._build()
