@@ -200,6 +200,11 @@ def test_default_no_decay_is_nanogpts_configure_optimizers():
     decay, nodecay = nanogpt_decay_split(model)
     assert decayed_names(model, optimizer.param_groups) == decay
     assert {"wte.weight", "wpe.weight"} <= decay and any(n.endswith("bias") for n in nodecay)
+    # Hugging Face Trainer's rule (no LayerNorm, no name with bias or norm) selects the same on this model
+    # (it names the tied lm_head.weight too: the same tensor as wte.weight).
+    from transformers import Trainer
+
+    assert set(Trainer.get_decay_parameter_names(None, model)) - {"lm_head.weight"} == decay
     held = [p for g in optimizer.param_groups for p in g["params"]]
     assert len(held) == len({id(p) for p in held}) == len(decay) + len(nodecay)  # every parameter once
     # "embeddings" exempts them too (the wording); [] decays everything (dtrain before).
