@@ -10,7 +10,17 @@ __version__ = "0.1.0"
 from dtrain.config import Config, load_config
 from dtrain.errors import ConfigError, DataError, DtrainError
 
-__all__ = ["Config", "ConfigError", "DataError", "DtrainError", "Trainer", "__version__", "load_config", "load_weights"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataError",
+    "DtrainError",
+    "Trainer",
+    "__version__",
+    "load_config",
+    "load_weights",
+    "whole_split",
+]
 
 
 def __getattr__(name):
@@ -23,4 +33,8 @@ def __getattr__(name):
         from dtrain.checkpoint.export import load_weights
 
         return load_weights
+    if name == "whole_split":  # eval_metrics=dtrain.whole_split(fn): fn(predictions, targets) of the whole split
+        from dtrain.train.whole_split import whole_split
+
+        return whole_split
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

@@ -530,6 +530,15 @@ class TrainingConfig(Section):
         10, "Optimizer steps between logged lines; losses are read from the device only then.", min=1
     )
     eval_every: int = setting(1, "Epochs between evaluations (the last epoch always evaluates; 0: only then).", min=0)
+    eval_every_steps: int = setting(
+        0, "Also evaluate every this many optimizer steps (0: off); the end of the run always evaluates.", min=0
+    )
+    eval_batches: int = setting(
+        0,
+        "Evaluate at most this many batches of data.eval_batch_size (0: the whole split): the same samples "
+        "every time (drawn once with run.seed) and the same whatever the number of processes.",
+        min=0,
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = setting(
         "none",
         "Recompute activations in backward instead of keeping them, block by block: full keeps only "

@@ -3,8 +3,10 @@
 `eval_loss` always: the mean over samples, or over target tokens for a language model (its
 `eval_perplexity` is exp of that). `eval_accuracy` only where outputs are class scores against integer
 classes. `Trainer(eval_metrics=fn)`: `fn(output, batch)` returns per-batch means, averaged over every
-eval sample. Sums stay on the device in float64 until the end: one host sync per evaluation.
-`Evaluator` answers when to evaluate (`training.eval_every` epochs, and after the last step) and runs it.
+eval sample; `eval_metrics=dtrain.whole_split(fn)`: `fn(predictions, targets)` of the whole split
+(whole_split.py). Sums stay on the device in float64 until the end: one host sync per evaluation.
+`Evaluator` answers when to evaluate (`training.eval_every` epochs, `training.eval_every_steps` steps, and
+after the last step) and runs it, over `training.eval_batches` batches' worth of the split when capped.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import Subset, TensorDataset
 
 from dtrain import distributed
 from dtrain.config import Config
-from dtrain.data import EvalBatches
+from dtrain.data import EvalBatches, TensorDict
 from dtrain.data.batch import IGNORE_INDEX, num_samples
 from dtrain.data.streams import is_stream
 from dtrain.errors import DataError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, logits_of
+from dtrain.train.whole_split import SplitOutputs, WholeSplit
 
-EvalMetrics = Callable[[Any, Any], Mapping[str, Any]]
+EvalMetrics = Callable[[Any, Any], Mapping[str, Any]] | WholeSplit
 
 
 class Evaluator:
@@ -40,9 +44,11 @@ class Evaluator:
         eval_every: int,
         precision: Precision,
         progress: Progress,
+        eval_every_steps: int = 0,
     ):
         self.batches, self.loss_of, self.user_metrics = batches, loss_of, user_metrics
         self.eval_every, self.precision, self.progress = eval_every, precision, progress
+        self.eval_every_steps = eval_every_steps
 
     @classmethod
     def of(
@@ -69,12 +75,17 @@ class Evaluator:
             if session.is_main:
                 print("note: eval_data holds no samples: this run does not evaluate", file=sys.stderr, flush=True)
             return None
+        cap = config.training.eval_batches * config.data.eval_batch_size
+        eval_data = capped(eval_data, cap, config.run.seed) if cap else eval_data
         batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
-        return cls(batches, loss_of, user_metrics, config.training.eval_every, precision, timer.progress)
+        every_steps, progress = config.training.eval_every_steps, timer.progress
+        return cls(batches, loss_of, user_metrics, config.training.eval_every, precision, progress, every_steps)
 
     def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:
-        """After the last step, and at the end of every `training.eval_every`-th epoch."""
-        if step == total_steps:
+        """After the last step, at the end of every `training.eval_every`-th epoch, and every
+        `training.eval_every_steps` steps (again at a resume from such a step: its checkpoint came first)."""
+        every_steps = self.eval_every_steps
+        if step == total_steps or (every_steps > 0 and step > 0 and step % every_steps == 0):
             return True
         return epoch_done and self.eval_every > 0 and epoch % self.eval_every == 0
 
@@ -97,10 +108,26 @@ class Evaluator:
         return sums.result()
 
 
+def capped(eval_data: Any, cap: int, seed: int) -> Any:
+    """`cap` samples of `eval_data` (all of it if it holds no more), drawn once with `seed` and kept in the
+    split's order: the same samples at every evaluation and at any world size (the shards come after), and
+    spread over the split rather than its first rows, which a split sorted by label would make unrepresentative."""
+    n = len(eval_data)
+    if cap >= n:
+        return eval_data
+    chosen = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:cap].sort().values
+    if isinstance(eval_data, TensorDict):
+        return TensorDict({name: t[chosen] for name, t in eval_data.tensors.items()})
+    if isinstance(eval_data, TensorDataset):
+        return TensorDataset(*(t[chosen] for t in eval_data.tensors))
+    return Subset(eval_data, chosen.tolist())
+
+
 class EvalSums:
     def __init__(self, device: torch.device, user_metrics: EvalMetrics | None = None):
         self.device = device
-        self.user_metrics = user_metrics
+        self.split = SplitOutputs(user_metrics) if isinstance(user_metrics, WholeSplit) else None
+        self.user_metrics = None if isinstance(user_metrics, WholeSplit) else user_metrics
         self.sums: dict[str, torch.Tensor] = {}
 
     def _add(self, name: str, value: Any) -> None:
@@ -126,6 +153,8 @@ class EvalSums:
         elif logits is not None and integer_target and logits.dim() == 2 and target.dim() == 1:
             self._add("classified", samples)
             self._add("correct", (logits.argmax(dim=1) == target).sum())
+        if self.split is not None:
+            self.split.add(output, target)
         if self.user_metrics is not None:
             returned = self.user_metrics(output, batch)
             if not isinstance(returned, Mapping):
@@ -150,6 +179,7 @@ class EvalSums:
             for name, value in sums.items():
                 totals[name] = totals.get(name, 0.0) + value
         samples = totals.get("samples", 0.0)
+        whole_split = self.split.result() if self.split is not None else {}  # a collective: before any return
         if not samples:
             return {}
         result: dict[str, float] = {"eval_loss": totals["loss"] / samples, "eval_samples": int(samples)}
@@ -162,4 +192,4 @@ class EvalSums:
             if name.startswith("user:"):
                 key = name[len("user:") :]
                 result[key if key.startswith("eval_") else f"eval_{key}"] = value / samples
-        return result
+        return {**result, **whole_split}
