@@ -109,6 +109,8 @@ def test_resolved_config_round_trips(tmp_path):
         ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
         ("distributed.timeout_s=0.01", "distributed.timeout_s must be >= 5; got 0.01"),
         ("distributed.hang_timeout_s=0.0001", "distributed.hang_timeout_s = 0.0001 would call every step a hang"),
+        ("checkpoint.keep_best=loss", "checkpoint.keep_best = 'loss' is not a metric and a direction"),
+        ("checkpoint.keep_best=eval_loss:lowest", "checkpoint.keep_best = 'eval_loss:lowest' is not a metric"),
         ("distributed.init_method=tcp://:29500", "needs a host: tcp://host:port"),
         ("distributed.init_method=tcp://h:0", "needs a port: tcp://host:port (1-65535)"),
         ("distributed.init_method=file://", "needs an absolute file path"),

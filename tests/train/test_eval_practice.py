@@ -66,3 +66,21 @@ def test_a_whole_split_f1_equals_sklearns_at_two_ranks(two_ranks):
 def test_a_whole_split_f1_equals_sklearns_at_three_ranks(tmp_path):
     ok(torchrun(WORKERS / "eval_practice.py", tmp_path, nproc=3))
     _check_whole_split_f1(json.loads((tmp_path / "results.json").read_text()))
+
+
+def test_keep_best_keeps_the_best_checkpoint_through_pruning_and_a_resume(two_ranks):
+    out, results = two_ranks
+    evals = {line["step"]: line["eval_loss"] for line in eval_lines(out / "best")}
+    assert sorted(evals) == [1, 2, 3, 4, 5, 6]  # every step evaluated and checkpointed
+    best = max(evals, key=evals.get)  # keep_best = "eval_loss:max"
+    assert best < 3  # the best is neither the newest at the stop nor at the end: pruning would take it
+    assert results["kept_after_3"] == ["best.json", f"step-{best}", "step-3"]
+    assert results["kept_after_0"] == ["best.json", f"step-{best}", "step-6"]
+    said = json.loads((out / "best" / "checkpoints" / "best.json").read_text())
+    assert (said["step"], said["metric"], said["mode"]) == (best, "eval_loss", "max")
+    assert said["value"] == evals[best]
+
+
+def test_checkpoint_every_epochs_writes_at_each_epochs_end(two_ranks):
+    out, _ = two_ranks
+    assert sorted(p.name for p in (out / "epochs" / "checkpoints").iterdir()) == ["step-3", "step-6"]

@@ -38,6 +38,16 @@ def main(out: Path) -> None:
             capped, model=fresh_model(), train_data=data(96, 0), eval_data=held_out, eval_metrics=fingerprint
         ).fit()
 
+        # keep_best through pruning (keep=1) and a resume: the worst eval loss, so that the best is not the newest.
+        best = {"checkpoint": {"every_steps": 1, "keep": 1, "keep_best": "eval_loss:max"}}
+        for stop_at in (3, 0):  # a run stopped at step 3, then resumed to its end
+            job = config(out / "best", best, eval_every_steps=1, stop_at_step=stop_at)
+            dtrain.Trainer(job, model=fresh_model(), train_data=data(96, 0), eval_data=held_out).fit()
+            if dist.get_rank() == 0:
+                results[f"kept_after_{stop_at}"] = sorted(p.name for p in (out / "best" / "checkpoints").iterdir())
+        epochs = config(out / "epochs", {"checkpoint": {"every_epochs": 1, "keep": 5}})
+        dtrain.Trainer(epochs, model=fresh_model(), train_data=data(96, 0), eval_data=held_out).fit()
+
     def f1(predictions, targets):
         return {
             "f1": f1_score(targets.numpy(), predictions.argmax(1).numpy(), average="macro"),

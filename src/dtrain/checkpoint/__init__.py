@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dtrain.checkpoint.best import BestKeeper
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
 from dtrain.checkpoint.state import NOTHING_TO_TRAIN, Parts, Position, epoch_of, regroup
@@ -68,6 +69,7 @@ class Checkpointer:
         self.report: Callable[[dict[str, Any]], None] | None = None
         self._in_flight: PendingCheckpoint | None = None  # checkpoint.async: the one being written
         self._background: Any = None  # its BackgroundWriter, from the first background save on
+        self.best = BestKeeper(config.keep_best, self.store.root, self.is_main)  # spared by pruning
 
     def due(self, step: int, *, last: bool, forced: bool) -> bool:
         """The save policy, in one place (every rank decides alike). After step `step`, a checkpoint is
@@ -78,9 +80,17 @@ class Checkpointer:
             return False
         if self._in_flight is not None and self._in_flight.step == step:
             return forced  # a stop right after it: `checkpoint` sees it sealed
-        every = self.config.every_steps
+        every, epochs = self.config.every_steps, self.config.every_epochs
+        per_epoch = self.parts.plan.get("steps_per_epoch", 0)
         scheduled = bool(every) and step % every == 0
-        return forced or scheduled or (last and (bool(every) or self.last_saved_step is not None))
+        # checkpoint.every_epochs: at the end of every such epoch (its last step, before it evaluates)
+        scheduled |= bool(epochs and per_epoch) and step % per_epoch == 0 and (step // per_epoch) % epochs == 0
+        return forced or scheduled or (last and (bool(every or epochs) or self.last_saved_step is not None))
+
+    def consider_best(self, step: int, record: dict[str, Any]) -> None:
+        """checkpoint.keep_best, after the evaluation at `step` (on every rank: a missing metric stops all)."""
+        in_flight = self._in_flight is not None and self._in_flight.step == step
+        self.best.consider(step, record, checkpointed=step == self.last_saved_step or in_flight)
 
     def find_resume_point(self) -> Checkpoint | None:
         """The checkpoint this run continues from, per `checkpoint.resume` (all ranks agree)."""
@@ -267,9 +277,9 @@ class Checkpointer:
                 if self.on_store is not None and files is not None:
                     marker = self.on_store.seal(step, meta, files)  # the checkpoint exists from here on
                 self.store.commit(step, meta, marker)
-                self.store.prune(self.config.keep)
+                self.store.prune(self.config.keep, spare=self.best.step())
                 if self.on_store is not None:
-                    self.on_store.prune(self.config.keep)
+                    self.on_store.prune(self.config.keep, spare=self.best.step())
                 return marker
             except DtrainError:
                 raise

@@ -128,6 +128,7 @@ class StoreSealing:
         except Exception:  # already failing; the next start cleans
             pass
 
-    def prune(self, keep: int) -> None:
-        """The store's oldest checkpoints beyond `keep` removed, each COMPLETE.json first (main rank)."""
-        self.remote.prune(keep)
+    def prune(self, keep: int, spare: int | None = None) -> None:
+        """The store's oldest checkpoints beyond `keep` removed (sparing step `spare`, checkpoint.keep_best's),
+        each COMPLETE.json first (main rank)."""
+        self.remote.prune(keep, spare=spare)

@@ -140,11 +140,14 @@ class RemoteCheckpointStore:
             raise CheckpointError(f"{exc} (as read from {self._object(step, '')})") from None
         return checkpoint
 
-    def prune(self, keep: int, everything: bool = False) -> list[int]:
+    def prune(self, keep: int, everything: bool = False, spare: int | None = None) -> list[int]:
         """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest, unless
-        `everything`: a run told to start afresh), each COMPLETE.json first."""
+        `everything`: a run told to start afresh; never step `spare`, checkpoint.keep_best's, unless
+        `everything`), each COMPLETE.json first."""
         prefixes = self._prefixes()
-        complete = sorted(step for step, objects in prefixes.items() if MARKER in objects)
+        complete = sorted(
+            step for step, objects in prefixes.items() if MARKER in objects and (everything or step != spare)
+        )
         doomed = complete if everything else complete[: max(0, len(complete) - max(keep, 1))]
         for step in doomed:
             others = sorted(name for name in prefixes[step] if name != MARKER)

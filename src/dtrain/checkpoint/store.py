@@ -104,9 +104,10 @@ class CheckpointStore:
     def abandon(self, step: int) -> None:
         shutil.rmtree(self.partial_path(step), ignore_errors=True)
 
-    def prune(self, keep: int) -> list[Checkpoint]:
-        """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest one)."""
-        complete = self.complete()
+    def prune(self, keep: int, spare: int | None = None) -> list[Checkpoint]:
+        """Delete the oldest complete checkpoints beyond the newest `keep` (never the newest one), sparing
+        step `spare` (checkpoint.keep_best's) besides them."""
+        complete = [checkpoint for checkpoint in self.complete() if checkpoint.step != spare]
         doomed = complete[: max(0, len(complete) - max(keep, 1))]
         for checkpoint in doomed:
             # Out of the way first, by a rename: a deletion cut short (a kill while a checkpoint written in

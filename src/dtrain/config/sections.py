@@ -535,8 +535,8 @@ class TrainingConfig(Section):
     )
     eval_batches: int = setting(
         0,
-        "Evaluate at most this many batches of data.eval_batch_size (0: the whole split): the same samples "
-        "every time (drawn once with run.seed) and the same whatever the number of processes.",
+        "Evaluate at most eval_batches × data.eval_batch_size samples in all (0: the whole split), shared by the "
+        "processes: the same samples every time (drawn once with run.seed) whatever the number of processes.",
         min=0,
     )
     activation_checkpointing: Literal["none", "full", "selective"] = setting(
@@ -625,6 +625,17 @@ class CheckpointConfig(Section):
         min=0,
     )
     keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).", min=1)
+    every_epochs: int = setting(
+        0,
+        "Also write a checkpoint at the end of every this many epochs (0: off), before that epoch's evaluation.",
+        min=0,
+    )
+    keep_best: str = setting(
+        "",
+        'Keep the checkpoint with the best eval metric besides the newest checkpoint.keep: "eval_loss" (lowest; '
+        'also "eval_loss:min") or "eval_accuracy:max" (highest), any eval_ metric; a checkpoint counts when an '
+        "evaluation runs at its step. Empty: off.",
+    )
     resume: Literal["auto", "yes", "no"] = setting(
         "auto",
         "auto: continue from the newest complete checkpoint in run.dir if there is one; yes: "
@@ -653,6 +664,23 @@ class CheckpointConfig(Section):
         "hf: at the end of the run also write the final weights as a Hugging Face model folder, run.dir/hf "
         "(config.json, safetensors, tokenizer), as `dtrain export RUN_DIR --format hf` does.",
     )
+
+    def check(self) -> None:
+        if self.keep_best and best_rule(self.keep_best) is None:
+            raise ConfigError(
+                f"checkpoint.keep_best = '{self.keep_best}' is not a metric and a direction; write an eval metric "
+                f'and min or max, like "eval_loss" (lowest) or "eval_accuracy:max" (highest)'
+            )
+
+
+def best_rule(spec: str) -> tuple[str, str] | None:
+    """checkpoint.keep_best: 'eval_loss' -> ('eval_loss', 'min'); 'eval_accuracy:max' -> ('eval_accuracy',
+    'max'); None when malformed."""
+    name, _, mode = spec.strip().partition(":")
+    mode = mode or "min"
+    if not name.startswith("eval_") or mode not in ("min", "max"):
+        return None
+    return name, mode
 
 
 def profile_range(text: str) -> tuple[int, int] | None:

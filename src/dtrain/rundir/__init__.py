@@ -147,7 +147,8 @@ OUTPUTS: Mapping[str, Callable[[Path], str | None]] = {
     "model.json": _model_file,  # what model trained: what `dtrain export` needs to write it in another layout
     "hf": hf_export_folder,  # the weights as a Hugging Face model folder (checkpoint.export = "hf")
     "tensorboard": lambda p: _entries(p, r"events\.out\.tfevents\..+"),
-    "checkpoints": lambda p: _entries(p, r"(\.partial-(replaced-)?)?step-\d+"),
+    # best.json: which checkpoint checkpoint.keep_best keeps (and its atomic write's temporary file)
+    "checkpoints": lambda p: _entries(p, r"(\.partial-(replaced-)?)?step-\d+|(\.)?best\.json(\.\w+\.tmp)?"),
     "diagnostics": lambda p: _entries(p, r"(flight-recorder-)?rank-\d+.*"),
     "profile": lambda p: _entries(p, r"rank-\d+\..+"),
     "report": lambda p: _entries(p, r"[\w-]+\.png|summary\.txt"),

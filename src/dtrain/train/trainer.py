@@ -273,15 +273,15 @@ class Trainer:
 
     def _end_epoch_if_done(self, last: dict[str, Any]) -> dict[str, Any]:
         """At the end of an epoch, count it; evaluate when `training.eval_every` asks, and after the last step."""
-        assert self.train_batches and self.metrics and self.monitor
+        assert self.train_batches and self.metrics and self.monitor and self.checkpointer
         epoch_done = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
-        if epoch_done:
-            self.epoch += 1
+        self.epoch += int(epoch_done)
         if not (self.evaluator and self.evaluator.should_evaluate(self.step, self.total_steps, self.epoch, epoch_done)):
             return last
         with self.metrics.paused():  # evaluation is not training time
             record = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), **self.evaluate()}
             self.monitor.log(record)
+        self.checkpointer.consider_best(self.step, record)  # checkpoint.keep_best: the step's checkpoint came first
         return {**last, **record}
 
     def _epoch_said(self) -> int:
