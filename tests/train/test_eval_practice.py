@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import WORKERS, eval_lines, ok, torchrun
+from helpers import WORKERS, eval_lines, ok, torchrun, train_lines
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +84,14 @@ def test_keep_best_keeps_the_best_checkpoint_through_pruning_and_a_resume(two_ra
 def test_checkpoint_every_epochs_writes_at_each_epochs_end(two_ranks):
     out, _ = two_ranks
     assert sorted(p.name for p in (out / "epochs" / "checkpoints").iterdir()) == ["step-3", "step-6"]
+
+
+def test_eval_records_carry_the_mean_training_loss_since_the_last_evaluation(two_ranks):
+    out, _ = two_ranks
+    said = {line["step"]: line["train_loss"] for line in eval_lines(out / "steps")}
+    logged = {line["step"]: line["loss"] for line in train_lines(out / "steps")}  # log_every=4: steps 1-4, 5-6
+    assert sorted(logged) == [4, 6]
+    # Evaluations at 2, 3, 4 split the first logged window (2 steps, 1, 1); the one at 6 is the second window.
+    assert abs((2 * said[2] + said[3] + said[4]) / 4 - logged[4]) < 1e-6
+    assert abs(said[6] - logged[6]) < 1e-6
+    assert len(set(said.values())) == 4

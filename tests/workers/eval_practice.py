@@ -33,7 +33,9 @@ def main(out: Path) -> None:
     results: dict = {"world": world}
 
     if world == 2:  # batch 16 × 2 ranks over 96 samples: 3 steps an epoch, 6 in all
-        capped = config(out / "steps", {"data": {"eval_batch_size": 10}}, eval_every_steps=2, eval_batches=3)
+        capped = config(
+            out / "steps", {"data": {"eval_batch_size": 10}}, eval_every_steps=2, eval_batches=3, log_every=4
+        )
         dtrain.Trainer(
             capped, model=fresh_model(), train_data=data(96, 0), eval_data=held_out, eval_metrics=fingerprint
         ).fit()

@@ -75,6 +75,12 @@ class StepMetrics:
         self.margin = straggler_margin
         self._steps = 0
         self._samples = 0
+        # The training loss since the last evaluation (its train_loss): the windows taken since, and how much
+        # of the window still open an evaluation already counted (so that the next one does not again).
+        self._since_eval_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self._since_eval_steps = 0
+        self._counted_sum = torch.zeros((), device=device)
+        self._counted_steps = 0
         # Token data: positions from shapes on the host, the real tokens among them (padding left out)
         # on the device, gathered with the window.
         self._positions: int | None = None
@@ -178,6 +184,10 @@ class StepMetrics:
             dtype=torch.float64,
             device=self.device,
         )
+        self._since_eval_sum += (self.loss_sum - self._counted_sum).double()
+        self._since_eval_steps += self._steps - self._counted_steps
+        self._counted_sum.zero_()
+        self._counted_steps = 0
         for column, total in (
             (_LOSS, self.loss_sum),
             (_NORM, self.norm_sum),
@@ -220,6 +230,19 @@ class StepMetrics:
                 record["mfu"] = achieved / (self.world_size * self.peak_flops)
         self._steps, self._samples, self._positions, self._start = 0, 0, None, now
         return record, stop
+
+    def since_eval(self) -> dict[str, float]:
+        """`train_loss`: the mean training loss over every rank's steps since the last evaluation (nothing when
+        none ran), an estimate of the model's training loss beside its eval loss. A collective: every rank
+        evaluates at the same steps."""
+        total = self._since_eval_sum + (self.loss_sum - self._counted_sum).double()
+        steps = self._since_eval_steps + self._steps - self._counted_steps
+        self._counted_sum.copy_(self.loss_sum)
+        self._counted_steps = self._steps
+        self._since_eval_sum.zero_()
+        self._since_eval_steps = 0
+        summed = _gather(total.reshape(1), self.world_size).sum().item()
+        return {"train_loss": summed / (steps * self.world_size)} if steps else {}
 
     def _breakdown(self, rows: list[list[float]], steps: int) -> dict[str, Any]:
         def mean(column: int) -> float:

@@ -28,6 +28,7 @@ TB_TAGS = {
     "samples_per_s": "train/samples_per_s",
     "tokens_per_s": "train/tokens_per_s",  # token data
     "eval_loss": "eval/loss",
+    "train_loss": "eval/train_loss",  # the mean training loss since the last evaluation, beside eval/loss
     "eval_accuracy": "eval/accuracy",
     "eval_perplexity": "eval/perplexity",
     "step_ms": "time/step_ms",
@@ -171,6 +172,7 @@ CONSOLE_FORMATS = [
     ("tokens_per_s", "{:,.0f} tokens/s"),
     ("step_ms", "step {:.1f} ms"),
     ("mfu", "MFU {:.1%}"),
+    ("train_loss", "train_loss {:.4f}"),
     ("eval_loss", "eval_loss {:.4f}"),
     ("eval_accuracy", "eval_accuracy {:.2%}"),
     ("eval_perplexity", "eval_perplexity {:.4g}"),

@@ -278,9 +278,9 @@ class Trainer:
         self.epoch += int(epoch_done)
         if not (self.evaluator and self.evaluator.should_evaluate(self.step, self.total_steps, self.epoch, epoch_done)):
             return last
-        with self.metrics.paused():  # evaluation is not training time
-            record = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), **self.evaluate()}
-            self.monitor.log(record)
+        with self.metrics.paused():  # evaluation is not training time; train_loss: the mean since the last one
+            said = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), **self.metrics.since_eval()}
+            self.monitor.log(record := {**said, **self.evaluate()})
         self.checkpointer.consider_best(self.step, record)  # checkpoint.keep_best: the step's checkpoint came first
         return {**last, **record}
 
