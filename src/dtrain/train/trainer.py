@@ -54,11 +54,11 @@ class Trainer:
     iterable data set (data.streams) or a DataLoader (data.given). The loss: `step_fn(model,
     batch)`; else a dict batch's `model(**batch).loss` (or `loss_fn(output, batch)`); else
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
-    loss.py. `eval_metrics(output, batch)` returns more per-batch means to report, averaged over every
-    eval sample exactly. `optimizer`, `scheduler`: objects or factories, else the config's (optim.py).
-    After `setup()`, `strategy` is the strategy spreading the model over the processes
-    (`distributed.strategy`), `model` what the step calls (DDP's wrapper; under FSDP the sharded module
-    itself; the plain module at world size 1), `module` the user's own.
+    loss.py. `eval_metrics(output, batch)` returns more per-batch means, averaged over every eval sample
+    exactly; `eval_metrics=dtrain.whole_split(fn)` scores `fn(predictions, targets)` of the whole split.
+    `optimizer`, `scheduler`: objects or factories, else the config's (optim.py). After `setup()`,
+    `strategy` spreads the model over the processes (`distributed.strategy`), `model` is what the step
+    calls (DDP's wrapper; FSDP's sharded module; the plain module at one process), `module` yours.
     """
 
     def __init__(
