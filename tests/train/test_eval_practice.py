@@ -70,11 +70,12 @@ def test_a_whole_split_f1_equals_sklearns_at_three_ranks(tmp_path):
 
 def test_keep_best_keeps_the_best_checkpoint_through_pruning_and_a_resume(two_ranks):
     out, results = two_ranks
-    evals = {line["step"]: line["eval_loss"] for line in eval_lines(out / "best")}
-    assert sorted(evals) == [1, 2, 3, 4, 5, 6]  # every step evaluated and checkpointed
+    lines = eval_lines(out / "best")
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]  # each step evaluated (and checkpointed) once
+    evals = {line["step"]: line["eval_loss"] for line in lines}
     best = max(evals, key=evals.get)  # keep_best = "eval_loss:max"
-    assert best < 3  # the best is neither the newest at the stop nor at the end: pruning would take it
-    assert results["kept_after_3"] == ["best.json", f"step-{best}", "step-3"]
+    assert best < 4  # the best is neither the newest at the stop nor at the end: pruning would take it
+    assert results["kept_after_4"] == ["best.json", f"step-{best}", "step-4"]
     assert results["kept_after_0"] == ["best.json", f"step-{best}", "step-6"]
     said = json.loads((out / "best" / "checkpoints" / "best.json").read_text())
     assert (said["step"], said["metric"], said["mode"]) == (best, "eval_loss", "max")
@@ -95,3 +96,23 @@ def test_eval_records_carry_the_mean_training_loss_since_the_last_evaluation(two
     assert abs((2 * said[2] + said[3] + said[4]) / 4 - logged[4]) < 1e-6
     assert abs(said[6] - logged[6]) < 1e-6
     assert len(set(said.values())) == 4
+
+
+def test_a_resume_from_a_step_eval_every_steps_evaluated_logs_that_evaluation_once(tmp_path):
+    """What a kill after step 4's evaluation leaves: checkpoints to step 4, metrics.jsonl beyond it."""
+    import shutil
+
+    from scenarios import config, data, fresh_model
+
+    import dtrain
+
+    def job():
+        every = {"checkpoint": {"every_steps": 1, "keep": 10}, "data": {"batch_size": 32}}
+        return config(tmp_path, every, eval_every_steps=2, eval_every=0)
+
+    dtrain.Trainer(job(), model=fresh_model(), train_data=data(96, 0), eval_data=data(20, 1)).fit()
+    for step in (5, 6):
+        shutil.rmtree(tmp_path / "checkpoints" / f"step-{step}")
+    (tmp_path / "model.safetensors").unlink()
+    dtrain.Trainer(job(), model=fresh_model(), train_data=data(96, 0), eval_data=data(20, 1)).fit()
+    assert [line["step"] for line in eval_lines(tmp_path)] == [2, 4, 6]

@@ -42,7 +42,7 @@ def main(out: Path) -> None:
 
         # keep_best through pruning (keep=1) and a resume: the worst eval loss, so that the best is not the newest.
         best = {"checkpoint": {"every_steps": 1, "keep": 1, "keep_best": "eval_loss:max"}}
-        for stop_at in (3, 0):  # a run stopped at step 3, then resumed to its end
+        for stop_at in (4, 0):  # a run stopped at step 4 (mid-epoch), then resumed to its end
             job = config(out / "best", best, eval_every_steps=1, stop_at_step=stop_at)
             dtrain.Trainer(job, model=fresh_model(), train_data=data(96, 0), eval_data=held_out).fit()
             if dist.get_rank() == 0:

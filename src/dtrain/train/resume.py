@@ -146,9 +146,11 @@ class ResumePlan:
             header = rundir.config_header(given_in_code=not self.described_by_config)
             atomic_write_text(run_dir / "config.toml", header + config.to_toml())
             if continuing:
-                # An epoch that ended exactly at the checkpoint is evaluated again on resume.
-                epoch_end_pending = step == (epoch + 1) * steps_per_epoch
-                logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=epoch_end_pending)
+                # An epoch that ended exactly at the checkpoint is evaluated again on resume, as is a step
+                # training.eval_every_steps evaluates (see Evaluator.should_evaluate).
+                every = config.training.eval_every_steps
+                again = step == (epoch + 1) * steps_per_epoch or (every > 0 and step > 0 and step % every == 0)
+                logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=again)
         trackers = config.monitor.trackers
         monitor = Monitor(
             run_dir,
