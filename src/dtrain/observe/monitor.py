@@ -172,10 +172,10 @@ CONSOLE_FORMATS = [
     ("tokens_per_s", "{:,.0f} tokens/s"),
     ("step_ms", "step {:.1f} ms"),
     ("mfu", "MFU {:.1%}"),
-    ("train_loss", "train_loss {:.4f}"),
     ("eval_loss", "eval_loss {:.4f}"),
     ("eval_accuracy", "eval_accuracy {:.2%}"),
     ("eval_perplexity", "eval_perplexity {:.4g}"),
+    ("train_loss", "train_loss {:.4f}"),  # last: an eval line still begins with eval_loss
 ]
 
 
