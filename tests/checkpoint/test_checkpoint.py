@@ -165,6 +165,12 @@ def test_resume_from_what_is_not_a_usable_checkpoint_is_one_line(checkpointed, t
         run_job(own, "--resume-from", str(own / "checkpoints" / "step-20")),
         "is a checkpoint of this run.dir older than its newest, step-39",
     )
+    # run.overwrite would delete the checkpoint given (and every other) before any worker read it.
+    refused(
+        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20"), "run.overwrite=true"),
+        f"--resume-from {own / 'checkpoints' / 'step-20'} lies in run.dir {own}, which run.overwrite=true replaces",
+    )
+    assert [c.step for c in CheckpointStore(own).complete()] == [20, 30, 39]  # nothing deleted
 
 
 # --- failures -----------------------------------------------------------------------------------

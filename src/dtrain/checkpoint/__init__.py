@@ -421,6 +421,12 @@ def resume_geometry(
     store = CheckpointStore(run_dir)
     if fresh:  # run.dir's own checkpoints go: only --resume-from's counts
         checkpoint = given_checkpoint(config.resume_from, None) if config.resume_from else None
+        if checkpoint is not None and checkpoint.path.resolve().is_relative_to(run_dir.resolve()):
+            # run.overwrite would delete it before any worker reads it, and every other checkpoint with it.
+            raise CheckpointError(
+                f"--resume-from {config.resume_from} lies in run.dir {run_dir}, which run.overwrite=true "
+                f"replaces before it is read; give another run.dir, or drop run.overwrite"
+            )
     else:
         checkpoint = choose_resume(store, "auto" if later_attempt() else config.resume, config.resume_from)
     if checkpoint is None:
