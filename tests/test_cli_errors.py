@@ -66,6 +66,10 @@ def refused(result, message: str, tmp_path) -> None:
             "data set 'synthetic' has 8 training samples, too few for 9 processes; use --nproc 8 or fewer",
         ),
         (["--nproc", "0"], "--nproc must be >= 1; got 0"),
+        (  # an unset shell variable, `--resume-from "$CKPT"`: never a silent fresh start
+            ["--resume-from", ""],
+            "dtrain run: --resume-from is empty; give a step-N folder or a run.dir (see dtrain run --help)",
+        ),
         (["--nproc", "1e3"], "dtrain run: argument --nproc: invalid int value: '1e3' (see dtrain run --help)"),
         (["optimizer.lr=nan"], "optimizer.lr must be a finite number; got nan"),
         (["training.max_grad_norm=inf"], "training.max_grad_norm must be a finite number; got inf"),

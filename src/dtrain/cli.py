@@ -144,6 +144,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     _add_launch_flags(parser)
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=yes"] if args.resume else [])]
+    if args.resume_from is not None and not args.resume_from.strip():  # an unset `--resume-from "$CKPT"`
+        parser.error("--resume-from is empty; give a step-N folder or a run.dir")
     if args.resume_from is not None:  # a TOML string, whatever the path holds
         overrides.append(f"checkpoint.resume_from={json.dumps(args.resume_from)}")
     config, notes = read_config(args.config, overrides)
