@@ -200,6 +200,10 @@ def test_object_storage_reads_one_batch_ahead_and_never_more():
     [
         ("model.init_from=s3://bucket/weights", "model.init_from = 's3://bucket/weights'"),
         ("model.name=hf:s3://KEY:SECRET@bucket/model", "model.name = 'hf:s3://bucket/model'"),
+        (
+            "checkpoint.resume_from=s3://bucket/run/checkpoints/step-5",
+            "checkpoint.resume_from = 's3://bucket/run/checkpoints/step-5'",
+        ),
     ],
 )
 def test_a_url_where_only_local_paths_are_read_is_refused_in_one_line(override, key, tmp_path, monkeypatch):

@@ -666,6 +666,7 @@ class CheckpointConfig(Section):
     )
 
     def check(self) -> None:
+        _local_only("checkpoint.resume_from", self.resume_from, "the checkpoint")
         if self.keep_best and best_rule(self.keep_best) is None:
             raise ConfigError(
                 f"checkpoint.keep_best = '{self.keep_best}' is not a metric and a direction; write an eval metric "
