@@ -225,6 +225,12 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path
         f"transformer.h.0.ln_1.weight, transformer.h.0.ln_1.bias (and 24 more); unexpected h.0.attn.c_attn.weight, "
     )
     assert_one_line(result, message, tmp_path / "r")
+    # Integers where the model holds floats (a file of token ids, a quantized export): never cast and trained.
+    ints = tmp_path / "ints.safetensors"
+    save_file({name: t.to(torch.int32) for name, t in load_weights(weights).items()}, ints)
+    result = dtrain(*job(tokens, tmp_path / "r", OPTIONS, "training.max_steps=1", f"model.init_from={ints}"))
+    message = f"model.init_from = '{ints}' holds wte.weight as I32 and the model's is floating point"
+    assert_one_line(result, message, tmp_path / "r")
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,22 @@ def check_fit(module: Any, source: Source) -> dict[str, tuple[str, bool]]:
     if renamed is not None:  # a GPT-2 folder (`dtrain export`'s) into the built-in GPT: its names, its shapes
         shapes = {ours: shapes[name][::-1] if t else shapes[name] for ours, (name, t) in renamed.items()}
     found = _fit(source, module, shapes, aliases)
-    return {n: renamed[s] if renamed is not None else (s, False) for n, s in found.items()}
+    result = {n: renamed[s] if renamed is not None else (s, False) for n, s in found.items()}
+    _check_floats(source, module, result, {name: e["dtype"] for file in files for name, e in file.entries.items()})
+    return result
+
+
+def _check_floats(source: Source, module: Any, names: dict[str, tuple[str, bool]], dtypes: dict[str, str]) -> None:
+    """Integers (token ids, a quantized export) read into floating-point weights would be cast and trained
+    from: refused. Other float precisions are converted, as from_pretrained converts them."""
+    state = module.state_dict(keep_vars=True)
+    for name, (stored, _) in names.items():
+        dtype = dtypes.get(stored, "F32")
+        if state[name].is_floating_point() and not (dtype.startswith("F") or dtype == "BF16"):
+            raise ConfigError(
+                f"{source.key} = '{source.path}' holds {stored} as {dtype} and the model's is floating point; "
+                f"give weights saved as floats (F32, BF16, F16)"
+            )
 
 
 def _as_built_in_gpt(
