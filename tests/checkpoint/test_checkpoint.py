@@ -387,6 +387,18 @@ def test_a_checkpoint_from_another_world_size_is_refused(checkpointed, tmp_path)
     )
 
 
+def test_a_global_batch_size_other_than_the_checkpoints_is_refused(checkpointed, tmp_path):
+    """The checkpoint trained on global batches of 32 (2 processes × 16): a resume stating another
+    training.global_batch_size is refused in one line rather than silently keeping the checkpoint's."""
+    run_dir = copy_run(checkpointed, tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / "step-39")  # not finished: the resume would train
+    refused(
+        run_job(run_dir, "--resume", "training.global_batch_size=64"),
+        "checkpoint step-30 trained on global batches of 32 samples and training.global_batch_size = 64",
+        "give training.global_batch_size=32",
+    )
+
+
 def test_a_checkpoint_of_another_model_shape_is_refused(checkpointed, tmp_path):
     run_dir = copy_run(checkpointed, tmp_path / "run")
     refused(

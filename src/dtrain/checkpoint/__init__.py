@@ -462,6 +462,7 @@ def preflight(
             config.data.batch_size,
             config.training.grad_accum_steps,
             global_order,
+            config.training.global_batch_size,
         )
     return name
 

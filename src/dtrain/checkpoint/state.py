@@ -125,7 +125,14 @@ def world_size_mismatch(name: str, saved: int, now: int) -> str:
 
 
 def regroup(
-    name: str, saved_world: int, saved_per_rank: int, world: int, batch_size: int, accum: int, global_order: bool | None
+    name: str,
+    saved_world: int,
+    saved_per_rank: int,
+    world: int,
+    batch_size: int,
+    accum: int,
+    global_order: bool | None,
+    stated_global: int = 0,
 ) -> int:
     """The `training.grad_accum_steps` with which this run (`world` processes, `batch_size` each) resumes
     checkpoint `name` — taken by `saved_world` processes with `saved_per_rank` samples each per step —
@@ -135,10 +142,18 @@ def regroup(
     where the batch size changed, or the checkpoint was itself taken after such a change (a run resumed
     on fewer processes, checkpointed, then rerun). At another world size only data served in a
     world-size-independent order (`global_order`: token data) can continue where it stood. `global_order`
-    None: not known yet (the launcher, for a data factory): only the arithmetic is checked."""
+    None: not known yet (the launcher, for a data factory): only the arithmetic is checked. A global batch
+    the config states (`stated_global`, training.global_batch_size) must be the checkpoint's: it would
+    otherwise be silently replaced by it."""
     if world != saved_world and global_order is False:
         raise CheckpointError(world_size_mismatch(name, saved_world, world))
     global_batch = saved_world * saved_per_rank
+    if stated_global and stated_global != global_batch:
+        raise CheckpointError(
+            f"checkpoint {name} trained on global batches of {global_batch} samples and training.global_batch_size "
+            f"= {stated_global}; a resume keeps the checkpoint's (the epoch in progress is ordered in them): give "
+            f"training.global_batch_size={global_batch}, or start a new run.dir"
+        )
     if global_batch % (batch_size * world):
         fits = [b for b in range(1, global_batch // world + 1) if global_batch % (b * world) == 0]
         raise CheckpointError(

@@ -63,7 +63,8 @@ class ResumePlan:
             if saved is None or not saved[2]:
                 return None
             world, batch_size, accum = session.world_size, cfg.data.batch_size, cfg.training.grad_accum_steps
-            return saved[0], saved[1], regroup(*saved, world, batch_size, accum, global_order)
+            stated = cfg.training.global_batch_size
+            return saved[0], saved[1], regroup(*saved, world, batch_size, accum, global_order, stated)
 
         found = distributed.rank0_decides(decide, is_main=session.is_main)
         if found is not None and found[2] != cfg.training.grad_accum_steps:
