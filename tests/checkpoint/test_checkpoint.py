@@ -150,7 +150,8 @@ def test_resume_from_another_runs_checkpoint_reads_it_where_it_is(checkpointed, 
 
 
 def test_resume_from_what_is_not_a_usable_checkpoint_is_one_line(checkpointed, tmp_path):
-    refused(run_job(tmp_path / "a", "--resume-from", str(tmp_path / "nowhere")), "is not a checkpoint")
+    refused(run_job(tmp_path / "a", "--resume-from", str(tmp_path / "nowhere")), "nowhere does not exist")
+    refused(run_job(tmp_path / "a", "--resume-from", str(checkpointed / "metrics.jsonl")), "is not a checkpoint")
     damaged = copy_run(checkpointed, tmp_path / "damaged")
     target = damaged / "checkpoints" / "step-30" / "state" / "__0_0.distcp"
     target.write_bytes(target.read_bytes()[:-10])

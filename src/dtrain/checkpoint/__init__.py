@@ -383,6 +383,8 @@ def _given(text: str) -> Checkpoint:
     """--resume-from's checkpoint: the step-N folder itself, or the newest of a run.dir (or of its
     checkpoints/ folder), its files checked against its marker."""
     path = Path(text).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"--resume-from {text} does not exist; give a complete step-N folder or a run.dir")
     named = re.fullmatch(r"step-(\d+)", path.name)
     if named and path.name == f"step-{int(named.group(1))}" and (path / MARKER).is_file():
         checkpoint: Checkpoint | None = Checkpoint(int(named.group(1)), path)
