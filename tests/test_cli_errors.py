@@ -263,11 +263,13 @@ def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_pa
 
 def test_a_diverged_run_stops_in_one_line_instead_of_training_nans(tmp_path):
     """optimizer.lr=1e30 is a number the config accepts; the loss is nan at the first log step, and the
-    run stops there on every rank (exit 2), writing neither a checkpoint nor weights of the broken state."""
+    run stops there on every rank (exit 2), writing neither a checkpoint nor weights of the broken state.
+    (No warm-up: transformers' convention starts it at a learning rate of 0, which would leave step 1 whole.)"""
     result = dtrain(
         "run",
         CFG,
         "optimizer.lr=1e30",
+        "scheduler.warmup_steps=0",
         "training.log_every=2",
         "checkpoint.every_steps=2",
         "--nproc",

@@ -204,6 +204,11 @@ def _print_first_failure(exc: ChildFailedError) -> int:
     # torch's first: the earliest, and among failures of the same second the first it saw (the workers
     # it stopped because of it come after).
     rank, failure = exc.get_first_failure()
+    # A worker that failed on its own (a positive status other than 75) is the cause; a requeue beside it
+    # is a worker torchrun stopped because of it, which may come first within the same second.
+    own = [(r, f) for r, f in exc.failures.items() if f.exitcode > 0 and f.exitcode != EXIT_REQUEUE]
+    if failure.exitcode == EXIT_REQUEUE and own:
+        rank, failure = min(own, key=lambda item: (item[1].timestamp, item[0]))
     if failure.exitcode == EXIT_REQUEUE:  # after training began, rank 0 said where its checkpoint is
         return EXIT_REQUEUE
     if failure.exitcode < 0:
