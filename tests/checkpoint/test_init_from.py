@@ -119,8 +119,24 @@ def test_what_a_path_names_is_told_apart(first, tmp_path):
             init_from.resolve("model.init_from", str(bad))
 
 
+def tiny_llama_config(tied: bool):
+    """A Llama small enough for the suite; `tied`: its head is its embedding (one tensor in the file)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * BLOCK,
+        tie_word_embeddings=tied,
+    )
+
+
 def tiny_hf(kind: str, folder: Path):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
     torch.manual_seed(3)
     if kind == "gpt2":
@@ -129,17 +145,7 @@ def tiny_hf(kind: str, folder: Path):
         )
         model = GPT2LMHeadModel(config)
     else:
-        config = LlamaConfig(
-            vocab_size=257,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2 * BLOCK,
-            tie_word_embeddings=False,
-        )
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(tiny_llama_config(tied=False))
     # Llama's folder in shards with an index, as large models are saved.
     model.save_pretrained(folder, max_shard_size="50KB" if kind == "llama" else "5GB")
     assert (folder / "model.safetensors.index.json").is_file() == (kind == "llama")

@@ -45,20 +45,10 @@ def test_no_rank_builds_the_whole_model(tokens, tmp_path):
 def tied_llama(folder: Path) -> None:
     """A tiny Llama whose head is tied to its embedding (one tensor in the file) and whose rotary
     embedding's `inv_freq` is a buffer computed when built, in no file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=257,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * test_init_from.BLOCK,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(test_init_from.tiny_llama_config(tied=True)).save_pretrained(folder)
 
 
 def test_it_trains_exactly_as_when_every_rank_built_the_whole_model(tokens, tmp_path):
