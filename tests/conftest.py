@@ -6,6 +6,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "workers")]
 
 import os  # noqa: E402
+import shutil  # noqa: E402
+import sysconfig  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -48,3 +50,28 @@ def s3_here(s3, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
     yield s3
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _prepared_json_package(tmp_path_factory, name: str, *tokenizer_args: str) -> Path:
+    """The standard library's json package (real text nobody here wrote) prepared as token data by
+    `dtrain prepare`, once a session for every test module that trains the built-in GPT on it."""
+    from helpers import dtrain, ok
+
+    corpus = tmp_path_factory.mktemp(f"json-corpus-{name}")
+    stdlib_json = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    shutil.copytree(stdlib_json, corpus / "json", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp(f"json-tokens-{name}") / name
+    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), *tokenizer_args, "--workers", "1"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def json_byte_tokens(tmp_path_factory):
+    """The json package as byte tokens (a vocabulary of 257)."""
+    return _prepared_json_package(tmp_path_factory, "bytes", "--tokenizer", "bytes")
+
+
+@pytest.fixture(scope="session")
+def json_bpe_tokens(tmp_path_factory):
+    """The json package as BPE tokens with a tokenizer of 300 entries trained on it."""
+    return _prepared_json_package(tmp_path_factory, "bpe", "--vocab-size", "300")

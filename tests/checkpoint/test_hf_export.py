@@ -42,17 +42,8 @@ GPT = [
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """Token data with a BPE tokenizer, from text nobody here wrote (the standard library's json package)."""
-    import sysconfig
-
-    corpus = tmp_path_factory.mktemp("corpus")
-    shutil.copytree(
-        Path(sysconfig.get_paths()["stdlib"]) / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    out = tmp_path_factory.mktemp("tokens") / "bpe"
-    ok(run_dtrain("prepare", "text", str(corpus), "--out", str(out), "--vocab-size", "300", "--workers", "1"))
-    return out
+def prepared(json_bpe_tokens):
+    return json_bpe_tokens
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ test computes that loss itself, from the file, and compares."""
 
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from safetensors.torch import save_file
 from dtrain.checkpoint import init_from
 from dtrain.checkpoint.export import load_weights
 from dtrain.checkpoint.tensors import read_model_weights
-from dtrain.data.prepare import prepare_text
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows
 from dtrain.errors import ConfigError
@@ -46,10 +44,8 @@ def job(tokens: Path, run_dir: Path, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens") / "json"
-    prepare_text([str(Path(sysconfig.get_paths()["stdlib"]) / "json")], str(out), tokenizer="bytes")
-    return out
+def tokens(json_byte_tokens):
+    return json_byte_tokens
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,8 @@ mocked. One GPT run on the bucket serves every read: its local run.dir is a plai
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -46,13 +44,8 @@ def one_line_refusal(result, starts):
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    corpus = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    shutil.copytree(stdlib / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__"))
-    out = tmp_path_factory.mktemp("tokens") / "bpe"
-    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--vocab-size", "300", "--workers", "1"))
-    return out
+def prepared(json_bpe_tokens):
+    return json_bpe_tokens
 
 
 @pytest.fixture(scope="module")

@@ -200,19 +200,8 @@ GPT = [
 
 
 @pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    """Real text (one package of the running Python's standard library) as byte tokens."""
-    import shutil
-    import sysconfig
-    from pathlib import Path
-
-    corpus = tmp_path_factory.mktemp("corpus")
-    shutil.copytree(
-        Path(sysconfig.get_paths()["stdlib"]) / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    out = tmp_path_factory.mktemp("tokens") / "bytes"
-    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--tokenizer", "bytes", "--workers", "1"))
-    return out
+def tokens(json_byte_tokens):
+    return json_byte_tokens
 
 
 @pytest.fixture(scope="module")
