@@ -17,7 +17,15 @@ from safetensors.torch import load as load_safetensors
 from dtrain.checkpoint.store import MARKER
 from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, ok, weights
 
-MAIN = ["examples/digits_mlp.toml", "--nproc", "2", "training.max_steps=12", "checkpoint.every_steps=5"]
+MAIN = [
+    "examples/digits_mlp.toml",
+    "--nproc",
+    "2",
+    "training.max_steps=12",
+    "checkpoint.every_steps=5",
+    "training.eval_every_steps=5",
+    "checkpoint.keep_best=eval_loss",
+]
 # A synthetic job whose rank 0 can be killed (SIGKILL) in its 23rd training forward pass; 39 steps in all.
 JOB = [
     "examples/digits_mlp.toml",
@@ -76,9 +84,12 @@ def test_the_main_job_on_the_bucket_trains_bitwise_as_in_a_local_folder(s3, main
     assert any(name.startswith("tensorboard/events.out.tfevents.") for name in stored)
     assert ".lease" not in stored  # released at the end
     # keep = 3 of step-5, -10, -12; each sealed by its COMPLETE.json, written after its other objects
-    steps = sorted({name.split("/")[1] for name in stored if name.startswith("checkpoints/")})
+    steps = sorted({name.split("/")[1] for name in stored if name.startswith("checkpoints/step-")})
     assert steps == ["step-10", "step-12", "step-5"] and all(f"checkpoints/{s}/{MARKER}" in stored for s in steps)
     assert all(complete_json_last(s3, "runs/main").values()) and complete_json_last(s3, "runs/main")
+    # checkpoint.keep_best's choice is on the store too: a resume on another machine spares the same one
+    best = s3.filesystem().cat_file(f"{s3.bucket}/runs/main/checkpoints/best.json")
+    assert json.loads(best)["step"] in (5, 10, 12) and best == (local / "checkpoints" / "best.json").read_bytes()
     mine, theirs = stored_weights(s3, "runs/main"), weights(local)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     stored_lines = s3.filesystem().cat_file(f"{s3.bucket}/runs/main/metrics.jsonl").decode().splitlines()

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from dtrain import objstore
+from dtrain.checkpoint.best import BEST_FILE
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.remote import RemoteCheckpointStore
 from dtrain.checkpoint.store import CheckpointStore
@@ -61,11 +62,11 @@ class Mirror:
         checkpoint; whatever the store does not hold leaves the staging folder."""
         with self._lock:
             remote = objstore.listing(self.url, KEY)
-            files = {n: s for n, s in remote.items() if not n.startswith("checkpoints/") and n != lease.NAME}
+            files = {n: s for n, s in remote.items() if not _in_a_checkpoint(n) and n != lease.NAME}
             self.staging.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.staging.rglob("*")):
                 name = path.relative_to(self.staging).as_posix()
-                if path.is_file() and not name.startswith("checkpoints/") and name not in files:
+                if path.is_file() and not _in_a_checkpoint(name) and name not in files:
                     path.unlink()
             self._sent = {}
             for name in sorted(files):  # every one, whatever is here: a file of the same size may differ
@@ -93,7 +94,7 @@ class Mirror:
         with self._lock:
             for path in sorted(self.staging.rglob("*")):
                 name = path.relative_to(self.staging).as_posix()
-                if not path.is_file() or name.startswith("checkpoints/") or _skipped(name):
+                if not path.is_file() or _in_a_checkpoint(name) or _skipped(name):
                     continue
                 stamp = _stamp(path)
                 if self._sent.get(name) != stamp:
@@ -117,6 +118,12 @@ class Mirror:
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
+
+
+def _in_a_checkpoint(name: str) -> bool:
+    """A file of a checkpoint folder (sealed on the store by the Checkpointer, never mirrored from here).
+    checkpoints/best.json, checkpoint.keep_best's choice, is an output like metrics.jsonl: mirrored."""
+    return name.startswith("checkpoints/") and name != f"checkpoints/{BEST_FILE}"
 
 
 def _skipped(name: str) -> bool:
