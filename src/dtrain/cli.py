@@ -11,6 +11,8 @@
     dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
     dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
     dtrain export RUN_DIR --format hf [--step N]      the weights as a Hugging Face model folder
+    dtrain eval RUN_DIR [--step N] [--nproc N] [--out FILE] [section.key=value ...]
+                                                      a checkpoint's eval metrics, without training
                                                       (RUN_DIR and --out may be s3:// URLs)
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
@@ -414,6 +416,75 @@ def cmd_export(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_eval(argv: Sequence[str]) -> int:
+    parser = _Parser(
+        prog="dtrain eval",
+        description="Evaluate a checkpoint of a run without training: the run's own evaluation, rebuilt from "
+        "its config.toml, printed in one line. Reads only: a run still training goes on undisturbed.",
+    )
+    parser.add_argument("run_dir", help="a run's run.dir (or its URL), of a run `dtrain run CONFIG` trained")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides of the run's config")
+    parser.add_argument(
+        "--step", type=int, default=None, metavar="N", help="checkpoint step-N (default: the newest complete one)"
+    )
+    parser.add_argument("--out", default=None, metavar="FILE", help="also write the metrics as JSON (outside RUN_DIR)")
+    parser.add_argument("--final", action="store_true", help=argparse.SUPPRESS)  # the launcher chose the final weights
+    parser.add_argument("--shown", default=None, help=argparse.SUPPRESS)  # the URL a local copy stands for
+    _add_launch_flags(parser)
+    args = parser.parse_intermixed_args(argv)
+    from pathlib import Path
+
+    from dtrain import objstore
+    from dtrain.commands import evaluate
+
+    if not args.run_dir.strip():  # an unset shell variable: never "." by accident
+        raise DtrainError("RUN_DIR is empty (an unset shell variable?); give the run.dir of a dtrain run")
+    if args.step is not None and args.step < 0:
+        raise DtrainError(f"--step must be a checkpoint's step (a whole number >= 0); got {args.step}")
+    shown = args.shown or args.run_dir
+    if not objstore.is_url(args.run_dir):  # not a run.dir, a bad override: said before torch is imported
+        read_config(str(evaluate.config_of(Path(args.run_dir), shown)), args.overrides)
+    from dtrain.distributed import in_worker_environment
+    from dtrain.worker import as_worker
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
+        run_dir = Path(args.run_dir)  # a worker: the launcher chose the weights (or, started by srun, it does)
+        choice = evaluate.Choice(None, run_dir / "model.safetensors") if args.final else None
+        return as_worker(
+            lambda: evaluate.main(
+                run_dir, choice or evaluate.choose(run_dir, args.step, shown), args.overrides, shown, args.out
+            )
+        )
+    if objstore.is_url(args.run_dir):  # read through a local copy of what eval needs, no lease taken
+        from dtrain.rundir import reading
+
+        with reading.fetched(args.run_dir, "checkpoint", args.step) as copy:
+            return _eval_here(args, copy.path, shown)
+    return _eval_here(args, Path(args.run_dir), shown)
+
+
+def _eval_here(args: argparse.Namespace, run_dir, shown: str) -> int:
+    """The launcher of `dtrain eval`: check and choose here, once, then evaluate in 1 or --nproc processes."""
+    from dtrain import distributed
+    from dtrain.commands import evaluate
+    from dtrain.worker import as_worker
+
+    config, notes = read_config(str(evaluate.config_of(run_dir, shown)), args.overrides)
+    _say_notes(notes)
+    choice = evaluate.choose(run_dir, args.step, shown)
+    evaluate.check_out(args.out, run_dir)
+    distributed.keep_to_the_cpu(config.training.device)
+    spec = _spec(args)
+    spec.validate()
+    if spec.nproc == 1 and not spec.multi_node:
+        return as_worker(lambda: evaluate.main(run_dir, choice, args.overrides, shown, args.out))
+    from dtrain.launch import launch
+
+    which = ["--step", str(choice.step)] if choice.step is not None else ["--final"]
+    out = ["--out", args.out] if args.out is not None else []
+    return launch(spec, ["-m", "dtrain", "eval", str(run_dir), *which, *out, "--shown", shown, *args.overrides])
+
+
 COMMANDS = {
     "run": cmd_run,
     "launch": cmd_launch,
@@ -423,6 +494,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "generate": cmd_generate,
     "export": cmd_export,
+    "eval": cmd_eval,
 }
 
 

@@ -54,8 +54,9 @@ def report_folder(url: str) -> Path:
 @contextlib.contextmanager
 def fetched(url: str, weights: str, step: int | None = None, into: Path | None = None) -> Iterator[Copy]:
     """A local copy of the run.dir `url` for as long as the block runs (`into`: kept afterwards). `weights`:
-    "none" (the report), "final" (model.safetensors; with `step`, checkpoint step-N instead), or "newest"
-    (generate: the newest complete checkpoint where it is newer than model.safetensors, else those). A
+    "none" (the report), "final" (model.safetensors; with `step`, checkpoint step-N instead), "newest"
+    (generate: the newest complete checkpoint where it is newer than model.safetensors, else those), or
+    "checkpoint" (eval: checkpoint step-N, else the newest complete one, else model.safetensors). A
     one-line refusal raised inside names the URL, never the local copy."""
     if objstore.credentials_in(url):
         raise DtrainError(
@@ -73,7 +74,7 @@ def fetched(url: str, weights: str, step: int | None = None, into: Path | None =
         names = [n for n in objects if _DESCRIBES.fullmatch(n)]
         sealed = {int(m.group(1)): objects[n][1] for n in objects if (m := _SEALED.fullmatch(n))}
         checkpoint = _checkpoint_to_read(url, objects, sealed, weights, step)
-        if weights in ("final", "newest") and checkpoint is None and "model.safetensors" in objects:
+        if weights in ("final", "newest", "checkpoint") and checkpoint is None and "model.safetensors" in objects:
             names.append("model.safetensors")
         for name in names:
             _download(url, name, path, objects[name][1])
@@ -102,8 +103,10 @@ def _checkpoint_to_read(
             have = ", ".join(f"step-{s}" for s in sorted(sealed)) or "none"
             raise DtrainError(f"{url} holds no complete checkpoint step-{step} (complete ones: {have})")
         return step
-    if weights != "newest" or not sealed:
+    if weights not in ("newest", "checkpoint") or not sealed:
         return None
+    if weights == "checkpoint":
+        return max(sealed)
     newest = max(sealed)
     final = objects.get("model.safetensors")
     return None if final is not None and final[1] >= sealed[newest] else newest

@@ -1,0 +1,125 @@
+"""`dtrain eval RUN_DIR [--step N]`: a checkpoint's eval metrics without training, through the real CLI and
+launcher. One small run (checkpoints and evaluations every 5 steps) serves most checks; the numbers
+`dtrain eval` gives are compared with those the run itself logged to metrics.jsonl."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import SMALL_JOB, dtrain, eval_lines, ok
+
+EVERY_5 = ["checkpoint.every_steps=5", "checkpoint.keep=3", "training.eval_every_steps=5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 30-step run on one process: checkpoints step-20, -25, -30 kept; eval lines every 5 steps."""
+    run_dir = tmp_path_factory.mktemp("eval-cmd") / "run"
+    ok(dtrain("run", *SMALL_JOB, *EVERY_5, f"run.dir={run_dir}"))
+    return run_dir, {line["step"]: line for line in eval_lines(run_dir)}
+
+
+def evaluated(run_dir, out: Path, *args: str, **kwargs) -> dict:
+    """`dtrain eval RUN_DIR ARGS --out OUT`: the metrics it wrote (and the line it said)."""
+    result = ok(dtrain("eval", str(run_dir), *args, "--out", str(out), **kwargs))
+    record = json.loads(out.read_text())
+    assert result.stdout.startswith(f"{run_dir} checkpoint step-{record['step']} | eval_loss ")
+    return record
+
+
+def logged_metrics(line: dict) -> dict:
+    return {k: v for k, v in line.items() if k.startswith("eval_")}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logged(trained, tmp_path):
+    run_dir, logged = trained
+    newest = evaluated(run_dir, tmp_path / "newest.json")
+    assert newest["step"] == 30 and newest["world_size"] == 1
+    assert {k: newest[k] for k in logged_metrics(logged[30])} == logged_metrics(logged[30])
+    at_20 = evaluated(run_dir, tmp_path / "20.json", "--step", "20")
+    assert at_20["step"] == 20
+    assert {k: at_20[k] for k in logged_metrics(logged[20])} == logged_metrics(logged[20])
+    assert at_20["eval_loss"] != newest["eval_loss"]  # the step's own weights, not the newest
+
+
+def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_run_dir(trained, tmp_path):
+    run_dir, logged = trained
+    before = snapshot(run_dir)
+    one = evaluated(run_dir, tmp_path / "one.json", "--step", "25")
+    two = evaluated(run_dir, tmp_path / "two.json", "--step", "25", "--nproc", "2")
+    assert two["world_size"] == 2 and two["eval_samples"] == one["eval_samples"] == logged[25]["eval_samples"]
+    assert two["eval_accuracy"] == one["eval_accuracy"]
+    # Float32 batch means over other batches (each rank's share): equal to float32's precision, not bit for bit.
+    assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-6
+    # No lease taken, nothing written: checkpoints, metrics, config, every byte and time as they were.
+    assert snapshot(run_dir) == before
+
+
+def test_an_override_caps_the_eval_as_training_eval_batches_says(trained, tmp_path):
+    run_dir, _ = trained
+    capped = evaluated(run_dir, tmp_path / "capped.json", "training.eval_batches=1", "data.eval_batch_size=8")
+    assert capped["eval_samples"] == 8
+
+
+def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_path):
+    run_dir, _ = trained
+    for args, said in (
+        ([str(run_dir), "--step", "7"], f"{run_dir} holds no complete checkpoint step-7; complete steps: 20, 25, 30"),
+        ([str(tmp_path)], f"{tmp_path} holds no config.toml"),
+        ([str(run_dir), "--out", str(run_dir / "eval.json")], f"--out {run_dir / 'eval.json'} is inside the run.dir"),
+    ):
+        result = dtrain("eval", *args)
+        lines = (result.stdout + result.stderr).splitlines()
+        assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
+        assert lines[0].startswith(f"dtrain: error: {said}"), lines[0]
+
+
+def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(tmp_path):
+    run_dir = tmp_path / "fsdp"
+    fsdp = ["distributed.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]
+    ok(dtrain("run", *SMALL_JOB, *EVERY_5, *fsdp, f"run.dir={run_dir}"))
+    logged = {line["step"]: line for line in eval_lines(run_dir)}
+    two = evaluated(run_dir, tmp_path / "two.json", "--step", "5", "--nproc", "2")
+    assert {k: two[k] for k in logged_metrics(logged[5])} == logged_metrics(logged[5])  # its world size: exact
+    one = evaluated(run_dir, tmp_path / "one.json", "--step", "5")  # the sharded checkpoint, resharded to one
+    assert one["eval_samples"] == logged[5]["eval_samples"] and one["eval_accuracy"] == logged[5]["eval_accuracy"]
+    assert abs(one["eval_loss"] - logged[5]["eval_loss"]) < 1e-6
+
+
+def test_a_run_of_a_script_is_refused_in_one_line(tmp_path):
+    """A run whose model was given in code to dtrain.Trainer: config.toml cannot rebuild it."""
+    run_dir = tmp_path / "script"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, dtrain\n"
+        "from torch.utils.data import TensorDataset\n"
+        "data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))\n"
+        "config = dtrain.Config()\n"
+        "config.run.dir = sys.argv[1]\n"
+        "config.training.epochs = 1\n"
+        "dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=data, eval_data=data).fit()\n"
+    )
+    ok(dtrain("launch", str(script), str(run_dir)))
+    result = dtrain("eval", str(run_dir))
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
+    assert "dtrain eval evaluates runs of `dtrain run CONFIG` only" in lines[0]
+
+
+def test_a_run_dir_url_is_evaluated_read_only(trained, s3, tmp_path):
+    run_dir, logged = trained
+    s3.filesystem().put(str(run_dir) + "/", f"{s3.bucket}/runs/eval", recursive=True)
+    url, machine = s3.url("runs/eval"), {**s3.env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    before = sorted(s3.filesystem().find(f"{s3.bucket}/runs/eval"))
+    at_25 = evaluated(url, tmp_path / "25.json", "--step", "25", extra_env=machine)
+    assert {k: at_25[k] for k in logged_metrics(logged[25])} == logged_metrics(logged[25])
+    assert sorted(s3.filesystem().find(f"{s3.bucket}/runs/eval")) == before  # no lease, nothing written
+    assert not os.listdir(tmp_path / "cache" / "dtrain" / "run-reads")  # the local copy removed after
