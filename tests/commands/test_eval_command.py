@@ -63,10 +63,18 @@ def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_ru
     assert snapshot(run_dir) == before
 
 
-def test_an_override_caps_the_eval_as_training_eval_batches_says(trained, tmp_path):
+def test_a_run_still_training_is_evaluated_with_an_override_of_its_config(trained, tmp_path):
+    from dtrain.rundir.lock import RunDirLock
+
     run_dir, _ = trained
-    capped = evaluated(run_dir, tmp_path / "capped.json", "training.eval_batches=1", "data.eval_batch_size=8")
-    assert capped["eval_samples"] == 8
+    training = RunDirLock(run_dir)  # held as a live run holds it: eval neither waits for it nor takes it
+    training.acquire()
+    try:
+        capped = evaluated(run_dir, tmp_path / "capped.json", "training.eval_batches=1", "data.eval_batch_size=8")
+        assert training.held()
+    finally:
+        training.release(remove_if_created=True)
+    assert capped["eval_samples"] == 8  # training.eval_batches × data.eval_batch_size, as the run would cap it
 
 
 def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_path):

@@ -116,7 +116,15 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         strategy = parallel.build(config, s, module, timer)
         # Into the spread model: each rank reads its own shards (init_from.load_into).
         source = init_from.Source("RUN_DIR", choice.path, **_source_of(choice))
-        init_from.load_into(module, source, s.is_main)
+        try:
+            init_from.load_into(module, source, s.is_main)
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            if choice.path.exists():
+                raise
+            raise DtrainError(
+                f"{choice.path} was deleted while it was read (a run still training keeps only its "
+                f"checkpoint.keep newest); evaluate a newer step"
+            ) from None
         precision = precision_for(config.training.precision, s.device, config.training.tf32)
         loss_of = LossOf(None, None)
         evaluator = Evaluator.of(eval_data, s, config, collate_fn, loss_of, None, precision, timer)
