@@ -10,8 +10,9 @@ from typing import Any
 from dtrain.errors import ConfigError
 
 
-def resolve(key: str, ref: str) -> Callable[..., Any]:
-    """Import `package.module:function`, or say in one line why it cannot be imported."""
+def resolve(key: str, ref: str, also: tuple[type, ...] = ()) -> Any:
+    """Import `package.module:function` (or an object of one of the types `also` names), or say in one
+    line why it cannot be imported."""
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -21,7 +22,7 @@ def resolve(key: str, ref: str) -> Callable[..., Any]:
             f"name and that it is on PYTHONPATH"
         ) from None
     fn = getattr(module, attr, None)
-    if not callable(fn):
+    if not (callable(fn) or isinstance(fn, also)):
         raise ConfigError(f"{key} = '{ref}': module '{module_name}' has no function '{attr}'")
     return fn
 

@@ -11,13 +11,14 @@ import pytest
 from helpers import SMALL_JOB, dtrain, eval_lines, ok
 
 EVERY_5 = ["checkpoint.every_steps=5", "checkpoint.keep=3", "training.eval_every_steps=5"]
+F1 = "training.eval_metrics=config_metrics:macro_f1"  # a whole-split metric named in the config
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 30-step run on one process: checkpoints step-20, -25, -30 kept; eval lines every 5 steps."""
     run_dir = tmp_path_factory.mktemp("eval-cmd") / "run"
-    ok(dtrain("run", *SMALL_JOB, *EVERY_5, f"run.dir={run_dir}"))
+    ok(dtrain("run", *SMALL_JOB, *EVERY_5, F1, f"run.dir={run_dir}"))
     return run_dir, {line["step"]: line for line in eval_lines(run_dir)}
 
 
@@ -43,6 +44,7 @@ def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logge
     run_dir, logged = trained
     newest = evaluated(run_dir, tmp_path / "newest.json")
     assert newest["step"] == 30 and newest["world_size"] == 1
+    assert 0 < logged[30]["eval_f1"] < 1  # training.eval_metrics: the run's records and dtrain eval carry it
     assert {k: newest[k] for k in logged_metrics(logged[30])} == logged_metrics(logged[30])
     at_20 = evaluated(run_dir, tmp_path / "20.json", "--step", "20")
     assert at_20["step"] == 20
@@ -56,7 +58,7 @@ def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_ru
     one = evaluated(run_dir, tmp_path / "one.json", "--step", "25")
     two = evaluated(run_dir, tmp_path / "two.json", "--step", "25", "--nproc", "2")
     assert two["world_size"] == 2 and two["eval_samples"] == one["eval_samples"] == logged[25]["eval_samples"]
-    assert two["eval_accuracy"] == one["eval_accuracy"]
+    assert two["eval_accuracy"] == one["eval_accuracy"] and two["eval_f1"] == one["eval_f1"] == logged[25]["eval_f1"]
     # Float32 batch means over other batches (each rank's share): equal to float32's precision, not bit for bit.
     assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-6
     # No lease taken, nothing written: checkpoints, metrics, config, every byte and time as they were.
@@ -83,6 +85,10 @@ def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_
         ([str(run_dir), "--step", "7"], f"{run_dir} holds no complete checkpoint step-7; complete steps: 20, 25, 30"),
         ([str(tmp_path)], f"{tmp_path} holds no config.toml"),
         ([str(run_dir), "--out", str(run_dir / "eval.json")], f"--out {run_dir / 'eval.json'} is inside the run.dir"),
+        (
+            [str(run_dir), "training.eval_metrics=config_metrics:no_such"],
+            "training.eval_metrics = 'config_metrics:no_such': module 'config_metrics' has no function 'no_such'",
+        ),
     ):
         result = dtrain("eval", *args)
         lines = (result.stdout + result.stderr).splitlines()

@@ -539,6 +539,13 @@ class TrainingConfig(Section):
         "processes: the same samples every time (drawn once with run.seed) whatever the number of processes.",
         min=0,
     )
+    eval_metrics: str = setting(
+        "",
+        "More eval metrics, named 'package.module:name' (for a run described by its config; in code, "
+        "Trainer(eval_metrics=...)): a function fn(output, batch) returning per-batch means, or "
+        "dtrain.whole_split(fn) for fn(predictions, targets) of the whole split (F1, AUC). Empty: loss, "
+        "accuracy and perplexity only.",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = setting(
         "none",
         "Recompute activations in backward instead of keeping them, block by block: full keeps only "

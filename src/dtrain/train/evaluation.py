@@ -14,23 +14,33 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from dtrain import distributed
+from dtrain import distributed, factory
 from dtrain.config import Config
 from dtrain.data import EvalBatches, TensorDict
 from dtrain.data.batch import IGNORE_INDEX, num_samples
 from dtrain.data.streams import is_stream
-from dtrain.errors import DataError, DtrainError
+from dtrain.errors import ConfigError, DataError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, logits_of
 from dtrain.train.whole_split import SplitOutputs, WholeSplit
 
 EvalMetrics = Callable[[Any, Any], Mapping[str, Any]] | WholeSplit
+
+
+def configured_metrics(ref: str) -> EvalMetrics | None:
+    """`training.eval_metrics = "package.module:name"`: the eval_metrics a config names, a function
+    fn(output, batch) or a `dtrain.whole_split(fn)` (a run described by its config has no other way)."""
+    if not ref:
+        return None
+    if ":" not in ref:
+        raise ConfigError(f"training.eval_metrics = '{ref}': write it as 'package.module:name'")
+    return cast(EvalMetrics, factory.resolve("training.eval_metrics", ref, also=(WholeSplit,)))
 
 
 class Evaluator:
@@ -79,7 +89,8 @@ class Evaluator:
         eval_data = capped(eval_data, cap, config.run.seed) if cap else eval_data
         batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
         every_steps, progress = config.training.eval_every_steps, timer.progress
-        return cls(batches, loss_of, user_metrics, config.training.eval_every, precision, progress, every_steps)
+        metrics = user_metrics or configured_metrics(config.training.eval_metrics)
+        return cls(batches, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
 
     def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:
         """After the last step, at the end of every `training.eval_every`-th epoch, and every
