@@ -427,13 +427,14 @@ class SchedulerConfig(Section):
     name: str = setting(
         "constant",
         "The learning rate over the run: constant, constant_with_warmup, linear, cosine, cosine_with_restarts, "
-        "polynomial, inverse_sqrt, warmup_stable_decay (transformers.get_scheduler's, computed by dtrain), or "
-        "a torch.optim.lr_scheduler class by name (StepLR, OneCycleLR, ...; any case) with scheduler.kwargs.",
+        "polynomial, inverse_sqrt, warmup_stable_decay (transformers.get_scheduler's, computed by dtrain), nanogpt "
+        "(nanoGPT's get_lr: cosine, warm-up (k + 1) / (warmup_steps + 1) at step k), or a torch.optim.lr_scheduler "
+        "class by name (StepLR, OneCycleLR, ...; any case) with scheduler.kwargs.",
     )
     warmup_steps: int = setting(
         0,
         "Optimizer steps of linear warm-up from 0 to optimizer.lr, as transformers': the first step's "
-        "learning rate is 0 (warmup_stable_decay: from the floor).",
+        "learning rate is 0 (warmup_stable_decay: from the floor; nanogpt: optimizer.lr / (warmup_steps + 1)).",
         min=0,
     )
     decay_steps: int = setting(

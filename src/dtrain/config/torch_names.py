@@ -30,6 +30,7 @@ OWN_SCHEDULES = (
     "polynomial",
     "inverse_sqrt",
     "warmup_stable_decay",
+    "nanogpt",  # nanoGPT's get_lr: cosine to min_lr, its own warm-up
 )
 # Each one's options (scheduler.kwargs), with transformers' names and defaults.
 SCHEDULE_OPTIONS: dict[str, dict[str, Any]] = {

@@ -4,7 +4,8 @@
 
 Warm-up follows transformers: the learning rate of optimizer step k (from 0) is peak × k / warmup_steps, so
 the first step's is 0 (dtrain before 0.3 was one step ahead: (k + 1) / warmup_steps). nanoGPT's is
-(k + 1) / (warmup + 1).
+(k + 1) / (warmup + 1): `scheduler.name = "nanogpt"` is its get_lr (that warm-up, then transformers'
+cosine with a floor, which is nanoGPT's decay to min_lr at lr_decay_iters).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Shape:
         name, warmup, end, floor, o = self.name, self.warmup, self.horizon, self.floor, self.options
         if name == "warmup_stable_decay":
             return self._warmup_stable_decay(step)
-        if step < warmup:
-            return step / max(1, warmup)
+        if step < warmup:  # nanoGPT's get_lr(it): learning_rate * (it + 1) / (warmup_iters + 1)
+            return (step + 1) / (warmup + 1) if name == "nanogpt" else step / max(1, warmup)
         if name in ("constant", "constant_with_warmup"):
             return 1.0
         if name == "inverse_sqrt":
@@ -52,6 +53,8 @@ class Shape:
             factor = max(0.0, (end - step) / max(1, end - warmup))
         elif name == "cosine":
             factor = max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(o["num_cycles"]) * 2.0 * progress)))
+        elif name == "nanogpt":  # its coeff: 0.5 * (1 + cos(pi * decay_ratio))
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
         elif name == "cosine_with_restarts":
             factor = 0.0 if progress >= 1.0 else 0.5 * (1.0 + math.cos(math.pi * ((o["num_cycles"] * progress) % 1.0)))
         else:  # polynomial: transformers' lr_end is the floor
