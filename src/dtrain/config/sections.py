@@ -293,6 +293,12 @@ class DataConfig(Section):
         "Shuffle the training set every epoch (by run.seed and the epoch); false: the data set's own order, "
         "rank r taking samples r, r + processes, ... (an iterable data set is always read in its own order).",
     )
+    sampling: Literal["windows", "random"] = setting(
+        "windows",
+        "Token data (data.name=tokens): windows — the split cut into windows, every one once an epoch, in the "
+        "epoch's order; random — nanoGPT's windows at random offsets, drawn per process from run.seed and "
+        "resumed exactly, an epoch as many steps as with windows (evaluation keeps fixed windows).",
+    )
     num_samples: int = setting(60000, "Size of the synthetic data set.", min=1, max=2**31)
     input_shape: list[int] = setting([1, 28, 28], "Sample shape of the synthetic data set.")
     num_classes: int = setting(

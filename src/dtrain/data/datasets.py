@@ -80,10 +80,19 @@ def check(config: Config, world_size: int = 1) -> None:
     every image 28×28, every label a digit, as many labels as images; tokens: meta.json and the shards
     it lists, enough windows for one global batch)."""
     data = config.data
+    if data.sampling == "random" and ":" not in data.name and data.name != "tokens":
+        raise DataError(random_needs_tokens(data.name))
     if data.name == "mnist":
         mnist.load(data.path)
     if data.name == "tokens":
         tokens.check_block_size(tokens.read_meta(data.path), data.block_size, data.path, world_size, data.batch_size)
+
+
+def random_needs_tokens(what: str) -> str:
+    return (
+        f"data.sampling = random draws token windows at random offsets (data.name = tokens, or token windows "
+        f"given in code); the training data here is {what}: use data.sampling = windows"
+    )
 
 
 def fetch(config: Config) -> None:
@@ -242,11 +251,12 @@ def check_shardable(config: Config, n_train: int, world_size: int) -> None:
 # --- world-size-independent order -------------------------------------------------------------------
 
 
-def keeps_global_order(dataset: Any) -> bool:
+def keeps_global_order(dataset: Any, sampling: str = "windows") -> bool:
     """Whether a training set asks to be served in an order that does not depend on the world size (it
     says so with `global_order = True`, as token windows do): the same global batches on any number of
-    processes, so a run can resume on another (GlobalOrderSampler, checkpoint.state.regroup)."""
-    return getattr(dataset, "global_order", False) is True
+    processes, so a run can resume on another (GlobalOrderSampler, checkpoint.state.regroup). Windows at
+    random offsets (data.sampling = random) are drawn per rank: never."""
+    return sampling == "windows" and getattr(dataset, "global_order", False) is True
 
 
 def global_order_of(config: Config) -> bool | None:
@@ -254,4 +264,4 @@ def global_order_of(config: Config) -> bool | None:
     sets, None for a user factory's, which only the built data set can answer."""
     if ":" in config.data.name:
         return None
-    return config.data.name == "tokens" and keeps_global_order(tokens.TokenWindows)
+    return config.data.name == "tokens" and keeps_global_order(tokens.TokenWindows, config.data.sampling)

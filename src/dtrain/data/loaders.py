@@ -21,9 +21,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dtrain.config import Config, DataConfig
 from dtrain.data.batch import BatchGatherer, TensorDict, collate, map_tensors, to_device
-from dtrain.data.datasets import check_shardable
+from dtrain.data.datasets import check_shardable, random_needs_tokens
+from dtrain.data.random_windows import RandomWindows
 from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard, train_sampler
 from dtrain.data.streams import StreamBatches, is_stream
+from dtrain.data.tokens import TokenWindows
 from dtrain.errors import DataError
 
 Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
@@ -82,7 +84,7 @@ class TrainBatches:
             yield group
 
 
-Batches = TrainBatches | StreamBatches  # what the training loop reads, either kind of data set
+Batches = TrainBatches | StreamBatches | RandomWindows  # what the training loop reads
 
 
 def samples_in(dataset: Any) -> int | str:
@@ -100,9 +102,14 @@ def train_batches(
     device: torch.device,
     collate_fn: Collate | None,
 ) -> Batches:
-    """This rank's training batches: a map-style set's shard in the epoch's order, or an iterable set's
-    share (streams.py)."""
+    """This rank's training batches: a map-style set's shard in the epoch's order, an iterable set's
+    share (streams.py), or token windows at random offsets (data.sampling = random, random_windows.py)."""
     data = config.data
+    if data.sampling == "random":
+        if not isinstance(dataset, TokenWindows):
+            raise DataError(random_needs_tokens(type(dataset).__name__))
+        check_shardable(config, len(dataset), world_size)
+        return RandomWindows(dataset, data, accum, config.run.seed, rank, world_size, device)
     if is_stream(dataset):
         return StreamBatches(dataset, data, accum, config.training.max_steps, rank, world_size, device, collate_fn)
     n = len(dataset)

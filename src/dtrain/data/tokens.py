@@ -12,7 +12,8 @@ The format (what `dtrain prepare` writes, and what any tool can write):
 Sample i of a split is a window of block_size + 1 consecutive tokens of one file (windows do not
 overlap; a file's last, shorter piece is not used): input = the first block_size, target = the last
 block_size. Only the windows a batch needs are read from the memory map: a process's memory does not
-grow with the data set.
+grow with the data set. Training with data.sampling = random (random_windows.py) reads windows that may
+start at any token instead (`take_at`), still within one file.
 """
 
 from __future__ import annotations
@@ -118,6 +119,14 @@ class TokenWindows(BatchGatherer):
         self.read_ahead = getattr(self._shards, "read_ahead", False)
         counts = [max(0, (n - 1) // block_size) for n in self._shards.lengths]
         self._starts = np.cumsum([0, *counts])  # window index where each file begins
+        # data.sampling = random: every token a window of block_size + 1 can start at, file after file
+        # (nanoGPT's len(data) - block_size for one file); a window never spans two files.
+        self._offsets = np.cumsum([0, *(max(0, n - block_size) for n in self._shards.lengths)])
+
+    @property
+    def offsets(self) -> int:
+        """How many windows of block_size + 1 tokens start somewhere in the split (random sampling)."""
+        return int(self._offsets[-1])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -134,8 +143,20 @@ class TokenWindows(BatchGatherer):
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"window index out of range 0..{len(self) - 1}")
         shard = np.searchsorted(self._starts, idx, side="right") - 1
-        windows = self._shards.gather(shard, (idx - self._starts[shard]) * self.block_size, self.block_size + 1)
-        if len(idx) and (windows.max() >= self.vocab_size or windows.min() < 0):
+        return self._read(shard, (idx - self._starts[shard]) * self.block_size)
+
+    def take_at(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows starting at `offsets`, counted over the split's possible starts (0 .. offsets - 1,
+        file after file), as (inputs, targets): random sampling's batch, nanoGPT's data[i : i + block_size + 1]."""
+        at = offsets.cpu().numpy().astype(np.int64)
+        if len(at) and (at.min() < 0 or at.max() >= self.offsets):
+            raise IndexError(f"window offset out of range 0..{self.offsets - 1}")
+        shard = np.searchsorted(self._offsets, at, side="right") - 1
+        return self._read(shard, at - self._offsets[shard])
+
+    def _read(self, shard: np.ndarray, first: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self._shards.gather(shard, first, self.block_size + 1)
+        if len(shard) and (windows.max() >= self.vocab_size or windows.min() < 0):
             bad = int(windows.max())
             raise DataError(
                 f"{self.folder}: a token id {bad} is outside the vocabulary (vocab_size "

@@ -144,7 +144,7 @@ class Trainer:
         cfg, device, rank, world = self.config, session.device, session.rank, session.world_size
         advice.check_trainable(self.module)
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
-        global_order = data.keeps_global_order(self.train_data)
+        global_order = data.keeps_global_order(self.train_data, cfg.data.sampling)
         self.grad_accum_steps = accum = self.plan.regroup(session, global_order)
         self.config = cfg = self.plan.followed(cfg)  # after a regroup a copy: the caller's config stays as given
         made = data.train_batches(self.train_data, cfg, rank, world, accum, global_order, device, self.collate_fn)
