@@ -13,12 +13,13 @@ draws its offsets from the generator dtrain's rank 0 draws from (nanoGPT's is to
 import base64
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from random_windows import ACCUM, BATCH, BLOCK, SEED, SIZE, VOCAB, write_tokens
+from random_windows import ACCUM, BATCH, BLOCK, SEED, SIZE, VOCAB, config_for, write_tokens
 
 import dtrain
 from dtrain.data.random_windows import window_generator
@@ -220,6 +221,19 @@ def test_random_windows_resume_exactly_after_a_stop(two_ranks):
     assert resumed_losses[:5] == stopped_losses and resumed_losses == unbroken_losses
     for rank in range(2):  # each rank trained exactly the windows it would have
         assert stopped_seen[rank] + resumed_seen[rank] == unbroken_seen[rank]
+
+
+def test_random_windows_do_not_resume_on_another_number_of_processes(two_ranks, tokens, tmp_path, one_thread):
+    """Each process draws its own windows: a checkpoint of 2 cannot continue on 1 (windows in their global
+    order can); refused in one line rather than continued from other windows."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_ranks["out"] / "stopped", run_dir)
+    model, train = GPT(VOCAB, BLOCK, **SIZE), TokenWindows(tokens, "train", BLOCK)
+    with pytest.raises(dtrain.DtrainError) as refused:
+        dtrain.Trainer(config_for(tokens, run_dir, steps=20), model=model, train_data=train).fit()
+    message = str(refused.value)
+    assert "written by 2 processes and this run has 1" in message and "data.sampling=random" in message
+    assert "\n" not in message
 
 
 def test_ranks_draw_different_windows_each_from_its_own_seeded_stream(two_ranks, tokens):

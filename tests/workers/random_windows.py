@@ -44,8 +44,8 @@ def write_tokens(folder: Path, train_tokens: int = 4000, val_tokens: int = 800) 
     return folder
 
 
-def train(folder: Path, run_dir: Path, stop_at: int = 0) -> tuple[list[float], list[list[list[int]]]]:
-    config = dtrain.Config.from_dict(
+def config_for(folder: Path, run_dir: Path, stop_at: int = 0, steps: int = STEPS) -> dtrain.Config:
+    return dtrain.Config.from_dict(
         {
             "run": {"dir": str(run_dir), "seed": SEED},
             "data": {
@@ -57,9 +57,13 @@ def train(folder: Path, run_dir: Path, stop_at: int = 0) -> tuple[list[float], l
             },
             "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
             "scheduler": {"name": "cosine", "warmup_steps": 2},
-            "training": {"max_steps": STEPS, "log_every": 1, "grad_accum_steps": ACCUM, "stop_at_step": stop_at},
+            "training": {"max_steps": steps, "log_every": 1, "grad_accum_steps": ACCUM, "stop_at_step": stop_at},
         }
     )
+
+
+def train(folder: Path, run_dir: Path, stop_at: int = 0) -> tuple[list[float], list[list[list[int]]]]:
+    config = config_for(folder, run_dir, stop_at)
     seen: list[list[int]] = []
 
     def step(model, batch):

@@ -119,9 +119,8 @@ def world_size_mismatch(name: str, saved: int, now: int) -> str:
     return (
         f"checkpoint {name} was written by {saved} process{'es' if saved != 1 else ''} and this run has {now}; "
         f"resume with {saved} process{'es' if saved != 1 else ''} (--nproc × --nnodes): this data's order "
-        f"(DistributedSampler's) depends on their number "
-        f"(token data in windows, data.name=tokens with data.sampling=windows, resumes on any number), or start a "
-        f"new run.dir"
+        f"(DistributedSampler's, or windows each process draws with data.sampling=random) depends on their number "
+        f"(token data in windows, data.sampling=windows, resumes on any number), or start a new run.dir"
     )
 
 
