@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "load_config",
     "load_weights",
+    "pad_to_longest",
     "whole_split",
 ]
 
@@ -37,4 +38,8 @@ def __getattr__(name):
         from dtrain.train.whole_split import whole_split
 
         return whole_split
+    if name == "pad_to_longest":  # collate_fn=dtrain.pad_to_longest(tokenizer=tok): rows padded per batch
+        from dtrain.data.padding import pad_to_longest
+
+        return pad_to_longest
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

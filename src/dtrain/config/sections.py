@@ -304,6 +304,20 @@ class DataConfig(Section):
     num_classes: int = setting(
         10, "Classes of the synthetic data set (and of factory data sets that cannot say).", min=2
     )
+    padding: str = setting(
+        "none",
+        "longest: pad each batch of token rows (dicts holding input_ids of different lengths) to its longest "
+        "row, with attention_mask and -100 labels on the padding (dtrain.pad_to_longest); none: collate as given.",
+    )
+    pad_to_multiple_of: int = setting(1, "data.padding = longest: pad to a multiple of this (8 suits GPUs).", min=1)
+    pad_token_id: int = setting(
+        -1, "data.padding = longest: the pad token id; -1: the model config's pad_token_id.", min=-1
+    )
+    packing: bool = setting(
+        False,
+        "data.name = tokens: mark the documents in each window (position ids restart after every end-of-text "
+        "token), attend within a document only, and leave out the loss of a document's first token.",
+    )
     on_device: bool = setting(True, "Hold tensor data sets on the GPU and gather batches there.")
     num_workers: int = setting(
         0,
@@ -324,6 +338,10 @@ class DataConfig(Section):
                 f"profile) and only the URL here"
             )
         _check_builtin_or_factory("data.name", self.name, tuple(DATA_GIVES))
+        if self.padding not in ("none", "longest"):
+            raise ConfigError(f"data.padding = {self.padding!r} must be 'none' or 'longest'")
+        if self.packing and self.name != "tokens":
+            raise ConfigError(f"data.packing = true packs token data (data.name = 'tokens'), not {self.name!r}")
         if not self.input_shape or any(d < 1 for d in self.input_shape):
             raise ConfigError(
                 f"data.input_shape = {self.input_shape} must be a list of positive sizes, e.g. [1, 28, 28]"

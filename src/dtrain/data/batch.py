@@ -105,11 +105,15 @@ def num_tokens(target: Any) -> int | None:
 
 def real_tokens(batch: Any) -> torch.Tensor:
     """The real tokens of a batch of token sequences, padding left out (on the device: no host sync): its
-    `attention_mask`'s ones where it has one, else its target's positions that are not -100."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    `attention_mask`'s ones where it has one; every position of packed windows (inputs holding
+    `position_ids` and no mask: no padding, and a document's first token is real though nothing predicts
+    it); else its target's positions that are not -100."""
+    inputs, target = split(batch)
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
     if isinstance(mask, torch.Tensor):
         return mask.ne(0).sum()
-    target = split(batch)[1]
+    if isinstance(inputs, Mapping) and isinstance(inputs.get("position_ids"), torch.Tensor):
+        return torch.tensor(target.numel(), device=target.device)
     return target.ne(IGNORE_INDEX).sum()
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset, TensorDataset
 from dtrain import factory
 from dtrain.config import Config, DataConfig
 from dtrain.config.sections import DATA_GIVES
-from dtrain.data import mnist, tokens
+from dtrain.data import mnist, packing, tokens
 from dtrain.errors import DataError
 
 # The held-out split of digits and synthetic data is fixed, whatever run.seed says, so that eval
@@ -137,8 +137,9 @@ def _mnist(data: DataConfig) -> DataSplits:
 
 def _tokens(data: DataConfig) -> DataSplits:
     meta = tokens.read_meta(data.path)
-    train = tokens.TokenWindows(data.path, "train", data.block_size, meta)
-    val = tokens.TokenWindows(data.path, "val", data.block_size, meta) if "val" in meta["splits"] else None
+    windows = packing.PackedWindows if data.packing else tokens.TokenWindows
+    train = windows(data.path, "train", data.block_size, meta)
+    val = windows(data.path, "val", data.block_size, meta) if "val" in meta["splits"] else None
     held_out = meta["splits"].get("val", {}).get("tokens", 0)
     notes = [] if val is not None and len(val) else [tokens.no_eval_windows(data.path, held_out, data.block_size)]
     return DataSplits(

@@ -18,16 +18,22 @@ from typing import Any
 from torch.utils.data import DataLoader, RandomSampler, default_collate
 
 from dtrain.config import Config
+from dtrain.data import padding
 from dtrain.data.batch import TensorDict
-from dtrain.errors import DataError
+from dtrain.errors import ConfigError, DataError
 
 
 def as_given(
-    config: Config, train_data: Any, eval_data: Any, collate_fn: Callable[[list[Any]], Any] | None
+    config: Config,
+    train_data: Any,
+    eval_data: Any,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    model: Any = None,
 ) -> tuple[Config, Any, Any, Callable[[list[Any]], Any] | None]:
     """(config, train set, eval set, collate_fn) as the run uses them: a dict of tensors becomes a
     TensorDict; a DataLoader gives its data set and settings (`config` then is a copy saying them: the
-    caller's is left as it was given)."""
+    caller's is left as it was given); `data.padding = "longest"` gives the padding collator (the pad
+    token id from `model`'s config unless data.pad_token_id says it)."""
     data = config.data
     if isinstance(train_data, DataLoader):
         loader = train_data
@@ -48,6 +54,18 @@ def as_given(
     if isinstance(eval_data, DataLoader):
         data = dataclasses.replace(data, eval_batch_size=_batch_size(eval_data, "eval_data"))
         eval_data = eval_data.dataset
+    if data.padding == "longest":
+        if collate_fn is not None:
+            raise ConfigError(
+                "data.padding = 'longest' is a collate_fn of its own, and one was given too: drop one of them"
+            )
+        collate_fn = padding.from_config(data, model)
+    if data.packing and getattr(getattr(model, "config", None), "use_cache", False):
+        # With a cache to fill, transformers builds a plain causal mask and never looks for documents.
+        raise ConfigError(
+            "data.packing = true and the model's config has use_cache = true, under which a Hugging Face model "
+            "attends across documents: set model.options = {use_cache = false} (or model.config.use_cache = False)"
+        )
     if data is not config.data:
         config = dataclasses.replace(config, data=data)
     return config, _tensors(train_data), _tensors(eval_data), collate_fn

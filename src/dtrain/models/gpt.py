@@ -3,8 +3,11 @@
 Pre-norm blocks (LayerNorm → causal self-attention → residual, LayerNorm → MLP → residual), attention
 through `scaled_dot_product_attention` (flash or memory-efficient kernels on GPUs), token embedding tied
 to the output layer, GPT-2's initialisation (N(0, 0.02), residual projections scaled by 1/√(2·layers)).
-`forward(idx)` returns logits (batch, positions, vocabulary); dtrain's default loss is cross-entropy
-over every position.
+`forward(input_ids)` returns logits (batch, positions, vocabulary); dtrain's default loss is
+cross-entropy over every position (-100 targets left out). `forward(input_ids, position_ids)` takes packed
+windows (data/packing.py): positions restart at 0 where a document begins, and each position attends to
+its own document only (a block-diagonal causal mask for scaled_dot_product_attention: correct on every
+device, and on GPUs it runs the memory-efficient kernel rather than flash, which takes no mask).
 """
 
 from __future__ import annotations
@@ -17,6 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, positions, positions) bool, True where a position may attend: an earlier or the same
+    position of its own document, documents read from position ids that restart at 0 where one begins
+    (as Hugging Face's padding-free collator marks them). Every row holds its diagonal: never all False."""
+    docs = position_ids.eq(0).cumsum(dim=-1)  # 0, 0, 1, 1, 1, 2 ...: which document each position is in
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return (docs.unsqueeze(-1) == docs.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
@@ -26,10 +39,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        # With a mask (packed documents) it holds the causal part too.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
 
@@ -53,8 +68,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -95,14 +110,15 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = input_ids.shape[1]
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size {self.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        pos = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
+        mask = None if position_ids is None else document_causal_mask(position_ids)
+        x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self, non_embedding: bool = True) -> int:

@@ -76,7 +76,7 @@ class Trainer:
         scheduler: optim.SchedulerArg | None = None,
     ):
         # A dict of tensors becomes a TensorDict; a DataLoader gives its data set and settings (data.given).
-        given = data.as_given(config or Config(), train_data, eval_data, collate_fn)
+        given = data.as_given(config or Config(), train_data, eval_data, collate_fn, model)
         self.config, self.train_data, self.eval_data, collate_fn = given
         self.module = model
         self.loss_of, self.eval_metrics, self.collate_fn = LossOf(step_fn, loss_fn), eval_metrics, collate_fn
