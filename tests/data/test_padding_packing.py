@@ -62,14 +62,21 @@ def test_the_pad_token_comes_from_the_tokenizer_or_the_model_config_else_one_lin
     data = Config().data
     data.padding = "longest"
 
-    class HasConfig(torch.nn.Module):
+    class Masked(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return input_ids
+
+    class HasConfig(Masked):
         config = type("C", (), {"pad_token_id": 2})()
 
     assert padding.from_config(data, HasConfig()).pad_token_id == 2
     with pytest.raises(dtrain.ConfigError, match="data.pad_token_id"):
-        padding.from_config(data, torch.nn.Linear(1, 1))
+        padding.from_config(data, Masked())
     data.pad_token_id = 4
-    assert padding.from_config(data, torch.nn.Linear(1, 1)).pad_token_id == 4
+    assert padding.from_config(data, Masked()).pad_token_id == 4
+    # The built-in GPT takes (inputs, target) batches, not the collator's dicts: said before any step.
+    with pytest.raises(dtrain.ConfigError, match="GPT.forward takes no attention_mask"):
+        padding.from_config(data, GPT(64, block_size=16, n_layer=1, n_head=2, n_embd=16))
 
 
 def _varied_rows() -> list[list[int]]:

@@ -18,6 +18,7 @@ attention mask's ones) are those of the real tokens alone.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,6 +87,14 @@ def pad_to_longest(pad_token_id: int | None = None, *, multiple_of: int = 1, tok
 def from_config(data: Any, model: Any) -> PadToLongest:
     """`data.padding = "longest"`: the pad token id is data.pad_token_id, else the model config's (a Hugging
     Face model's `config.pad_token_id`); none known is one line."""
+    forward = getattr(model, "forward", None)
+    params = inspect.signature(forward).parameters if callable(forward) else {}
+    if params and "attention_mask" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(
+            f"data.padding = 'longest' makes dict batches (input_ids, attention_mask, labels) and "
+            f"{type(model).__name__}.forward takes no attention_mask: use a model that does (a Hugging Face "
+            f"model), or pad in your own collate_fn"
+        )
     pad = data.pad_token_id if data.pad_token_id >= 0 else getattr(getattr(model, "config", None), "pad_token_id", None)
     if pad is None:
         raise ConfigError(
