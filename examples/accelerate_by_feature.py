@@ -1,6 +1,6 @@
-"""Accelerate's `examples/by_feature/checkpointing.py` (326 lines) and `gradient_accumulation.py` (228
-lines), ported to dtrain: accelerate_nlp_example.py's recipe with their flags, each one dtrain config key.
-This port is about 45 lines.
+"""Accelerate's `examples/by_feature/checkpointing.py` (326 lines, 193 of code) and `gradient_accumulation.py`
+(228 lines, 126 of code), ported to dtrain: accelerate_nlp_example.py's recipe with their flags, each one
+dtrain config key. This port is 45 lines (17 of code) on top of accelerate_nlp_example.py.
 
     dtrain launch --nproc 2 examples/accelerate_by_feature.py --checkpointing_steps 100 \\
         --gradient_accumulation_steps 2 [--model M] [--data D] [section.key=value ...]

@@ -1,6 +1,6 @@
 """Accelerate's `examples/nlp_example.py`, ported to dtrain: BERT fine-tuned for paraphrase detection on
-GLUE MRPC, accuracy and F1 on the validation split after every epoch. The original is 210 lines; this port
-is about 110 (80 without this docstring and comments).
+GLUE MRPC, accuracy and F1 on the validation split after every epoch. The original is 210 lines (117 of
+code, without comments and blank lines); this port is 99 (55 of code).
 
     pip install -e '.[hf]'
     dtrain launch --nproc 2 examples/accelerate_nlp_example.py [--model M] [--data D] [section.key=value ...]
