@@ -1,17 +1,20 @@
 """The ported examples under examples/ — Accelerate's nlp_example.py and its by_feature checkpointing and
-gradient accumulation — run as their users run them: `dtrain launch
+gradient accumulation, transformers' run_clm_no_trainer.py — run as their users run them: `dtrain launch
 --nproc 2` on CPU processes, with a tiny model and tokenizer built here and saved to a folder, and local data
 (nothing downloaded). Each learns, writes its metrics, and checkpoints and resumes as dtrain promises."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import dtrain, eval_lines, ok, train_lines, weights
+from helpers import ROOT, dtrain, eval_lines, ok, train_lines, weights
 
 datasets = pytest.importorskip("datasets")  # the test extra installs them
 transformers = pytest.importorskip("transformers")
@@ -133,3 +136,79 @@ def test_accelerate_by_feature_resumes_from_a_chosen_checkpoint_exactly(bert, nl
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-12", "step-8"]  # each epoch
     a, b = weights(nlp_run), weights(run_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- transformers: run_clm_no_trainer.py -----------------------------------------------------------------------
+
+SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "her sister", "the teacher"]
+VERBS = ["sat on", "looked at", "walked to", "painted", "found", "liked"]
+THINGS = ["the mat", "a red door", "the garden", "his book", "the river", "a small house"]
+
+
+def sentences(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda words: words[int(torch.randint(0, len(words), (1,), generator=g))]  # noqa: E731
+    return [f"{pick(SUBJECTS)} {pick(VERBS)} {pick(THINGS)}." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A tiny GPT-2 with a byte-level BPE tokenizer trained here on the text, and train / validation .txt files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("gpt2")
+    (root / "train.txt").write_text("\n".join(sentences(240, 1)) + "\n")
+    (root / "validation.txt").write_text("\n".join(sentences(40, 2)) + "\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    bpe.train([str(root / "train.txt")], trainer)
+    end = "<|endoftext|>"
+    tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=bpe, eos_token=end, bos_token=end, unk_token=end)
+    tokenizer.save_pretrained(root / "model")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root / "model")
+    return root
+
+
+def test_run_clm_fine_tunes_stops_resumes_and_exports_the_model_with_its_tokenizer(gpt2, tmp_path):
+    """Blocks of 32 tokens from local text files; stopped after step 3 (training.stop_at_step), the same
+    command again resumes there and finishes; the loss falls over the whole run; every epoch's eval_loss is
+    the mean over the validation tokens (the exported model, scored here, agrees) and eval_perplexity its
+    exp; run.dir/hf holds the model and tokenizer for from_pretrained."""
+    run_dir = tmp_path / "run"
+    command = ["--model", gpt2 / "model", "--train-file", gpt2 / "train.txt"]
+    command += ["--validation-file", gpt2 / "validation.txt", "--block-size", "32", "--run-dir", run_dir]
+    command += ["data.batch_size=4", "training.epochs=2", "optimizer.lr=0.003", "training.log_every=1"]
+    command += ["scheduler.warmup_steps=2"]
+    launch("run_clm.py", *command, "training.stop_at_step=3", cache=tmp_path / "cache")
+    assert [m["step"] for m in train_lines(run_dir)] == [1, 2, 3] and not (run_dir / "hf").exists()
+    resumed = launch("run_clm.py", *command, cache=tmp_path / "cache")
+    assert re.search(r"^resumed from \S+/step-3 \(step 3 of (\d+)", resumed.stderr, re.M), resumed.stderr
+    steps = [m["step"] for m in train_lines(run_dir)]
+    per_epoch = steps[-1] // 2
+    assert steps == list(range(1, steps[-1] + 1)) and per_epoch > 3
+    falls(run_dir)
+    evals = eval_lines(run_dir)
+    assert [m["step"] for m in evals] == [per_epoch, 2 * per_epoch]
+    assert all(m["eval_perplexity"] == pytest.approx(math.exp(m["eval_loss"])) for m in evals)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+
+    # The export: the final model and the tokenizer, as the original's save_pretrained(output_dir) leaves them.
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
+    given = transformers.AutoTokenizer.from_pretrained(gpt2 / "model")
+    assert (run_dir / "hf" / "tokenizer.json").is_file()
+    assert tokenizer("the old man painted a red door.").input_ids == given("the old man painted a red door.").input_ids
+    spec = importlib.util.spec_from_file_location("run_clm", ROOT / "examples" / "run_clm.py")
+    run_clm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_clm)
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": sentences(40, 2)})})
+    blocks = torch.tensor(run_clm.blocks(raw, tokenizer, 32)["train"]["input_ids"])
+    assert evals[-1]["eval_samples"] == len(blocks)
+    with torch.no_grad():
+        loss = model(input_ids=blocks, labels=blocks).loss.item()  # every block has 31 targets: the token mean
+    assert loss == pytest.approx(evals[-1]["eval_loss"], abs=1e-4)
+    assert json.loads((run_dir / "hf" / "config.json").read_text())["model_type"] == "gpt2"
