@@ -26,7 +26,6 @@ from dtrain import data, distributed, parallel
 from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
 from dtrain.config import Config, profile_range
 from dtrain.data import Batches
-from dtrain.errors import DtrainError
 from dtrain.observe import memory
 from dtrain.observe.metrics import StepMetrics, step_tokens
 from dtrain.observe.monitor import Monitor
@@ -137,7 +136,7 @@ class Trainer:
             self.claim.release(remove_if_created=True)
             distributed.stop(self.session)
             if advice.is_out_of_memory(exc):
-                raise self._out_of_memory("while setting up (model, data held on the device)", exc) from None
+                raise advice.out_of_memory_of(self, "while setting up (model, data held on the device)", exc) from None
             raise
 
     def _build(self, session: distributed.Session) -> None:
@@ -214,7 +213,7 @@ class Trainer:
                 claim.forget(self.step, lambda: monitor.close(stopped))  # the trackers' runs: KILLED
                 self._left_together = True
                 raise stopped
-            with advice.out_of_memory_said(lambda exc: self._out_of_memory(f"at step {self.step + 1}", exc)):
+            with advice.out_of_memory_said(lambda exc: advice.out_of_memory_of(self, f"at step {self.step + 1}", exc)):
                 return self._train(stopping, profiler)
 
     def _train(self, stopping: StopAgreement, profiler: StepProfiler) -> dict[str, Any]:
@@ -358,8 +357,3 @@ class Trainer:
             advice.refuse_a_diverged_state(self.module, self.step, self.config, self.checkpointer.store)
             position = Position(self.step, self.epoch, unscheduled_skips=int(self.metrics.skipped_sum.item()))
             self.checkpointer.checkpoint(position, wait=not background)  # reported to the monitor once sealed
-
-    def _out_of_memory(self, when: str, exc: BaseException) -> DtrainError:
-        assert self.session is not None
-        accum, strategy = self.grad_accum_steps, self.strategy
-        return advice.out_of_memory(when, exc, self.config, self.module, self.session, accum, strategy)
