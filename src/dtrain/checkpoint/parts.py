@@ -107,17 +107,21 @@ def adapters(parts: Parts) -> dict[str, Part]:
 
 class ModelPart(Part):
     """The model's tensors, as DCP's own view of them ("model.<fqn>"): replicas written once, FSDP's shards
-    by their owners, read back as this run places and shards them."""
+    by their owners, read back as this run places and shards them. A LoRA model's: only what trains (its
+    adapters; the frozen base is rebuilt from its reference on resume, models/lora.py)."""
 
     def __init__(self, module: torch.nn.Module):
+        from dtrain.models import lora
+
         super().__init__("model")
         self.module = module
+        self.options = StateDictOptions(ignore_frozen_params=lora.of(module) is not None)
 
     def capture(self) -> tuple[dict[str, Any], Any]:
-        return get_model_state_dict(self.module), None
+        return get_model_state_dict(self.module, options=self.options), None
 
     def targets(self, saved: Saved) -> dict[str, Any]:
-        state = get_model_state_dict(self.module)
+        state = get_model_state_dict(self.module, options=self.options)
         _check_model(saved, state)
         return state
 

@@ -112,6 +112,8 @@ _WHY = {
     "run.seed": "the data order of the epoch in progress depends on it; ",
     "data.name": "its position in the data means nothing in other data; ",
     "training samples": "its position in the data means nothing in other data; ",
+    "training.lora": "it holds only adapters of those settings; ",
+    "lora base": "it holds only adapters, trained on that base; ",
 }
 
 

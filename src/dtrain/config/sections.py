@@ -590,6 +590,56 @@ class TrainingConfig(Section):
         "the schedule of the whole run; a later resume continues (0: off).",
         min=0,
     )
+    lora: dict = setting(
+        {},
+        "LoRA fine-tuning through Hugging Face peft: {r, alpha, dropout, target_modules}; the base model's "
+        "parameters frozen (sharded under fsdp), only the adapters trained, optimized and checkpointed "
+        "(empty: off). Defaults: alpha = 2 r, dropout 0, target_modules per model (gpt: attention and MLP "
+        "projections; a transformers model: peft's own for its type, else every nn.Linear but the output head).",
+    )
+
+    def check(self) -> None:
+        check_lora(self.lora)
+
+
+LORA_KEYS = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
+
+
+def check_lora(lora: dict) -> None:
+    """training.lora's own keys and values (whether its target_modules match the model, a worker sees)."""
+    if not lora:
+        return
+    unknown = sorted(set(lora) - set(LORA_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"training.lora.{unknown[0]} is not a LoRA setting; give r, alpha, dropout, target_modules, "
+            f"e.g. training.lora={{r = 8, alpha = 16}}"
+        )
+    if "r" not in lora:
+        raise ConfigError("training.lora needs r, the adapters' rank (a whole number > 0), e.g. training.lora={r = 8}")
+    for key, kind in LORA_KEYS.items():
+        value = lora.get(key)
+        if key in lora and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise ConfigError(f"training.lora.{key} = {value!r} is not {_LORA_WHAT[key]}")
+    if lora["r"] <= 0:
+        raise ConfigError(f"training.lora.r = {lora['r']} must be a whole number > 0 (the adapters' rank), e.g. 8")
+    if "alpha" in lora and not (math.isfinite(lora["alpha"]) and lora["alpha"] > 0):
+        raise ConfigError(f"training.lora.alpha = {lora['alpha']} must be a number > 0 (scaling alpha / r), e.g. 16")
+    if "dropout" in lora and not 0 <= lora["dropout"] < 1:
+        raise ConfigError(f"training.lora.dropout = {lora['dropout']} must be at least 0 and below 1, e.g. 0.05")
+    modules = lora.get("target_modules", ["x"])
+    if not modules or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(
+            f'training.lora.target_modules = {modules!r} must be a list of module names, e.g. ["c_attn", "c_proj"]'
+        )
+
+
+_LORA_WHAT = {
+    "r": "a whole number > 0",
+    "alpha": "a number > 0",
+    "dropout": "a number in [0, 1)",
+    "target_modules": "a list of module names",
+}
 
 
 @dataclass(slots=True)

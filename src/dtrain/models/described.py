@@ -5,6 +5,8 @@ the built-in GPT's options — or, for any other model, its class, so that the r
     {"written_by": "dtrain", "kind": "gpt", "options": {"vocab_size": ..., "block_size": ..., ...}}
     {"written_by": "dtrain", "kind": "transformers", "architecture": "GPT2LMHeadModel", "config": {...}}
     {"written_by": "dtrain", "kind": "other", "class": "Sequential"}
+
+A LoRA run's also holds "lora": {"settings": peft's LoraConfig arguments, "base": where its base came from}.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ GPT, TRANSFORMERS, OTHER = "gpt", "transformers", "other"
 
 
 def describe(module: nn.Module) -> dict[str, Any]:
-    """`module` as model.json says it."""
+    """`module` as model.json says it; a LoRA model's also says its adapters' settings and base ("lora")."""
+    from dtrain.models import lora
+
+    adapted = lora.of(module)
+    said = _describe(module)
+    return {**said, "lora": adapted.described()} if adapted is not None else said
+
+
+def _describe(module: nn.Module) -> dict[str, Any]:
     from dtrain.models.gpt import GPT as BuiltInGPT
 
     if isinstance(module, BuiltInGPT):

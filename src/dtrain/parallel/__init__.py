@@ -36,8 +36,9 @@ def shards_state(config: Config) -> bool:
 
 def builds_on_meta(config: Config, world_size: int) -> bool:
     """Whether the worker builds the model with its parameters on the meta device (deferred.py): when a
-    sharding strategy spreads it over processes and a file's weights fill it."""
-    return shards_state(config) and world_size > 1 and config.model.weights is not None
+    sharding strategy spreads it over processes and a file's weights fill it. Not under LoRA: the base
+    weights are read before the adapters go in, into the whole model (models/lora.py)."""
+    return shards_state(config) and world_size > 1 and config.model.weights is not None and not config.training.lora
 
 
 def build(config: Config, session: Session, module: nn.Module, observer: CommObserver) -> Strategy:

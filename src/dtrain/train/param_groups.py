@@ -21,7 +21,8 @@ def param_groups(module: nn.Module, no_decay: list[str], groups: list[dict[str, 
     (the first whose pattern matches a name takes it), each split in two where `no_decay` exempts some of
     its parameters (`weight_decay` 0 there, whatever the group says). Empty groups are left out; every
     parameter is in exactly one group."""
-    named = list(module.named_parameters())  # a tied matrix once, under its first name
+    # A tied matrix once, under its first name; frozen parameters (LoRA's base) are no optimizer's business.
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     embedded = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     patterns = [[g["params"]] if isinstance(g["params"], str) else list(g["params"]) for g in groups]
     for i, group_patterns in enumerate(patterns):

@@ -23,6 +23,7 @@ from dtrain.config import Config, with_global_batch
 from dtrain.data import Batches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
+from dtrain.models import lora
 from dtrain.observe.monitor import Monitor
 from dtrain.observe.trackers import restart_line
 from dtrain.train.schedules import Schedule
@@ -224,6 +225,12 @@ def identity(config: Config, train_samples: int | str) -> dict[str, Any]:
         "run.seed": config.run.seed,
         "data.name": config.data.name,
         "training samples": train_samples,
+        # A LoRA checkpoint holds only the adapters: they mean something on their base, with their settings.
+        **(
+            {"training.lora": config.training.lora, "lora base": lora.base_reference(config)}
+            if config.training.lora
+            else {}
+        ),
     }
 
 

@@ -26,6 +26,7 @@ from dtrain import data, distributed, parallel
 from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
 from dtrain.config import Config, profile_range
 from dtrain.data import Batches
+from dtrain.models import lora
 from dtrain.observe import memory
 from dtrain.observe.metrics import StepMetrics, step_tokens
 from dtrain.observe.monitor import Monitor
@@ -148,6 +149,7 @@ class Trainer:
         self.config = cfg = self.plan.followed(cfg)  # after a regroup a copy: the caller's config stays as given
         made = data.train_batches(self.train_data, cfg, rank, world, accum, global_order, device, self.collate_fn)
         self.train_batches = batches = made  # a map-style set's shard, or an iterable set's share (streams.py)
+        self.module = lora.prepare(cfg, self.module, session.is_main)  # LoRA: base weights read, adapters in
         parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips = self.precision.scaler.is_enabled()
@@ -179,7 +181,9 @@ class Trainer:
             position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, total)
             self.step, self.epoch = position.step, position.epoch
             self.metrics.skipped_sum.fill_(position.unscheduled_skips)
-        elif cfg.model.weights:  # a new run: init_from's (or an hf: folder's) weights, into the spread model
+        elif cfg.model.weights and not lora.of(
+            self.module
+        ):  # a new run: init_from's (or an hf: folder's) weights, into the spread model
             init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
         self.checkpointer.report = claim.sending(self.monitor.log)  # each sealed checkpoint's times (to a store)
@@ -260,7 +264,7 @@ class Trainer:
             self.monitor.info(stopping.stopped_early(self.step, first_step))
         else:  # model.safetensors, or the trained state kept and the run saying where (see export)
             advice.refuse_a_diverged_state(self.module, self.step, self.config, self.checkpointer.store)
-            state = self.strategy.full_state_dict()  # a collective under FSDP
+            state = lora.saved(self.module, self.strategy.full_state_dict())  # a collective under FSDP
             path, main, save = self.run_dir / "model.safetensors", self.session.is_main, self._save_checkpoint
             export.write_final_weights(state, path, main, self.checkpointer, self.step, save)
             # SIGTERM near the end: the scheduler reruns on 75, and the rerun must find the run complete.
