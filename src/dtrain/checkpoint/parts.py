@@ -115,13 +115,22 @@ class ModelPart(Part):
 
         super().__init__("model")
         self.module = module
-        self.options = StateDictOptions(ignore_frozen_params=lora.of(module) is not None)
+        adapted = lora.of(module) is not None
+        self.options = StateDictOptions(ignore_frozen_params=adapted)
+        # Every name of a frozen parameter: DCP drops a tied one (a head tied to its embedding) under its
+        # first name only.
+        named = module.named_parameters(remove_duplicate=False) if adapted else ()
+        self.frozen = {name for name, param in named if not param.requires_grad}
+
+    def _state(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.module, options=self.options)
+        return {name: value for name, value in state.items() if name not in self.frozen}
 
     def capture(self) -> tuple[dict[str, Any], Any]:
-        return get_model_state_dict(self.module, options=self.options), None
+        return self._state(), None
 
     def targets(self, saved: Saved) -> dict[str, Any]:
-        state = get_model_state_dict(self.module, options=self.options)
+        state = self._state()
         _check_model(saved, state)
         return state
 

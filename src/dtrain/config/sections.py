@@ -7,7 +7,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from dtrain import objstore
 from dtrain.config import torch_names
@@ -602,7 +602,7 @@ class TrainingConfig(Section):
         check_lora(self.lora)
 
 
-LORA_KEYS = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
+LORA_KEYS: dict[str, Any] = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
 
 
 def check_lora(lora: dict) -> None:

@@ -18,6 +18,7 @@ The defaults, in one place (`DEFAULTS`, `default_targets`):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,11 @@ class Lora:
 
     settings: dict[str, Any]  # r, lora_alpha, lora_dropout, target_modules (resolved)
     base: str  # where the base weights came from (a path, a Hugging Face folder) or how it was given
+    weights: tuple[str, str] | None = None  # (the key, the path) of the base weights, where a file holds them
 
     def described(self) -> dict[str, Any]:
-        return {"settings": self.settings, "base": self.base}
+        weights = {"weights": [self.weights[0], os.path.abspath(self.weights[1])]} if self.weights else {}
+        return {"settings": self.settings, "base": self.base, **weights}
 
 
 def of(module: nn.Module) -> Lora | None:
@@ -53,8 +56,6 @@ def base_reference(config: Config, module: nn.Module | None = None) -> str:
     folder, else (a model given in code) a transformers model's own name_or_path, else how it was built."""
     if config.model.weights is not None:
         key, path = config.model.weights
-        import os
-
         return f"{key} = {os.path.abspath(path)}"
     name = getattr(getattr(module, "config", None), "_name_or_path", "") if module is not None else ""
     return f"given in code: {name}" if name else f"model.name = {config.model.name} (its own initial weights)"
@@ -127,7 +128,7 @@ def prepare(config: Config, module: nn.Module, is_main: bool) -> nn.Module:
         from dtrain.checkpoint import init_from
 
         init_from.load_into(module, init_from.resolve(*config.model.weights), is_main)
-    lora = Lora(settings(config.training.lora, module), base_reference(config, module))
+    lora = Lora(settings(config.training.lora, module), base_reference(config, module), config.model.weights)
     return inject(module, lora)
 
 
