@@ -10,9 +10,9 @@
     dtrain report RUN_DIR                             plots and a summary of a run
     dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
     dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
-    dtrain export RUN_DIR --format hf [--step N]      the weights as a Hugging Face model folder
     dtrain eval RUN_DIR [--step N] [--nproc N] [--out FILE] [section.key=value ...]
                                                       a checkpoint's eval metrics, without training
+    dtrain export RUN_DIR --format hf [--step N] [--merged]   the weights as a Hugging Face model folder
                                                       (RUN_DIR and --out may be s3:// URLs)
 
 `dtrain run` is both the launcher and the worker: started by hand it starts torchrun, which starts
@@ -402,13 +402,18 @@ def cmd_export(argv: Sequence[str]) -> int:
         metavar="SIZE",
         help="weights past this size are split into files with an index (default 50GB, as transformers)",
     )
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: the base model with the adapters merged in (default: the PEFT adapter folder)",
+    )
     args = parser.parse_args(argv)
     from dtrain.commands.export import export
 
     stopped = _Stopped(args.out or os.path.join(args.run_dir, "hf"), "export it")
     signal.signal(signal.SIGTERM, stopped)
     try:
-        print(export(args.run_dir, args.format, args.out, args.step, args.max_shard_size))
+        print(export(args.run_dir, args.format, args.out, args.step, args.max_shard_size, args.merged))
     except BaseException:  # DCP's CheckpointException, which wraps the signal's error, is a BaseException
         if stopped.fired:
             raise stopped.error from None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dtrain import rundir
-from dtrain.checkpoint import hf_layout
+from dtrain.checkpoint import hf_layout, lora_export
 from dtrain.checkpoint.hf_layout import Entry, Specs
 from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.errors import DtrainError
@@ -79,6 +79,14 @@ def _final_weights(path: Path) -> _Weights:
             return {name: file.get_tensor(aliases.get(name, name)) for name in names}
 
     weights.read, weights.where = read, str(path)
+    return weights
+
+
+def _in_memory(state: dict[str, torch.Tensor], where: str) -> _Weights:
+    """Weights already in memory (a LoRA run's merged model) as export reads them."""
+    weights = _Weights()
+    weights.specs = {name: (tensor.shape, tensor.dtype) for name, tensor in state.items()}
+    weights.read, weights.where = (lambda names: {name: state[name] for name in names}), where
     return weights
 
 
@@ -161,10 +169,15 @@ def _tokens_meta(run_dir: Path, data_path: str | None = None) -> dict[str, Any]:
 
 
 def export_hf(
-    run_dir: str | Path, out: str | Path | None = None, step: int | None = None, max_shard_size: str | int = ""
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    step: int | None = None,
+    max_shard_size: str | int = "",
+    merged: bool = False,
 ) -> Path:
     """Write run `run_dir`'s final weights (or checkpoint `step`) as a Hugging Face folder at `out`
-    (default run_dir/hf); returns it. Refuses in one line, before writing anything, what would not load."""
+    (default run_dir/hf); returns it. Refuses in one line, before writing anything, what would not load.
+    A LoRA run's: its PEFT adapter folder, or with `merged` the base with the adapters merged (lora_export.py)."""
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "hf"
     max_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
@@ -172,7 +185,10 @@ def export_hf(
         raise DtrainError(f"{run_dir} is not a folder: RUN_DIR must be a dtrain run's run.dir")
     _check_out(out)
     model = _model(run_dir)
-    problem = described.not_exportable(model)
+    lora = model.get("lora")
+    if merged and lora is None:
+        raise DtrainError(f"{run_dir} trained no LoRA adapters (training.lora): --merged is for a LoRA run; drop it")
+    problem = described.not_exportable(model) if lora is None or merged else None
     if problem:
         raise DtrainError(f"{run_dir}: {problem}")
     final = run_dir / "model.safetensors"
@@ -183,6 +199,14 @@ def export_hf(
     checkpoint = _complete_checkpoint(run_dir, step) if step is not None else None
     try:
         weights = _final_weights(final) if checkpoint is None else _checkpoint_weights(run_dir, checkpoint)
+        if lora is not None:  # what the run saved is its adapters
+            adapters = weights.read(list(weights.specs))
+            if not merged:
+                with _staged(out) as staging:
+                    lora_export.write_adapter(staging, lora, adapters)
+                return out
+            weights = _in_memory(lora_export.merged_state(model, adapters, run_dir), str(run_dir))
+            model = {key: value for key, value in model.items() if key != "lora"}
         meta = _tokens_meta(run_dir)
         eot = meta.get("eot_token") if isinstance(meta.get("eot_token"), int) else None
         layout = hf_layout.of(model, weights.specs, eot)

@@ -16,7 +16,9 @@ from dtrain.rundir.lock import RunDirLock
 FORMATS = ("hf",)
 
 
-def export(run_dir: str, format: str, out: str | None, step: int | None, max_shard_size: str) -> str:
+def export(
+    run_dir: str, format: str, out: str | None, step: int | None, max_shard_size: str, merged: bool = False
+) -> str:
     """Export; the line saying what was written. RUN_DIR and --out may be URLs of an object store."""
     from dtrain.checkpoint.hf_export import export_hf
 
@@ -33,16 +35,16 @@ def export(run_dir: str, format: str, out: str | None, step: int | None, max_sha
                 f"credentials through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile) instead"
             )
     if objstore.is_url(run_dir) or objstore.is_url(out):
-        return _export_through_store(run_dir, out, step, max_shard_size)
+        return _export_through_store(run_dir, out, step, max_shard_size, merged)
     folder = Path(run_dir)
     target = Path(out) if out is not None else folder / "hf"
     if folder.is_dir() and _inside(target, folder) and RunDirLock(folder).held():
         raise _still_training(str(folder), str(target))
-    written = export_hf(folder, target, step, max_shard_size)
+    written = export_hf(folder, target, step, max_shard_size, merged)
     return _said(str(written), str(folder), step)
 
 
-def _export_through_store(run_dir: str, out: str | None, step: int | None, max_shard_size: str) -> str:
+def _export_through_store(run_dir: str, out: str | None, step: int | None, max_shard_size: str, merged: bool) -> str:
     """RUN_DIR or --out on an object store: the run read through a local copy (rundir.reading, no lease
     taken), the export written to a local folder, and for an --out URL then sent up (store_export)."""
     from dtrain.checkpoint.hf_export import export_hf
@@ -61,12 +63,12 @@ def _export_through_store(run_dir: str, out: str | None, step: int | None, max_s
         if inside and training:
             raise _still_training(run_dir, target)
         if not objstore.is_url(target):
-            written = export_hf(folder, Path(target), step, max_shard_size)
+            written = export_hf(folder, Path(target), step, max_shard_size, merged)
             return _said(str(written), run_dir, step)
         store_export.check_free(target)
         reading.reads_base().mkdir(parents=True, exist_ok=True)
         local = Path(held.enter_context(tempfile.TemporaryDirectory(dir=reading.reads_base(), prefix="export-")))
-        export_hf(folder, local / "hf", step, max_shard_size)
+        export_hf(folder, local / "hf", step, max_shard_size, merged)
         store_export.upload(local / "hf", target)
     return _said(target, run_dir, step, stored=True)
 
@@ -82,6 +84,11 @@ def _said(written: str, run_dir: str, step: int | None, stored: bool = False) ->
     source = f"checkpoint step-{step}" if step is not None else "final weights"
     where = "copy it down (all of it) and load the folder" if stored else "load it"
     loaded = "FOLDER" if stored else written
+    if not stored and (Path(written) / "adapter_config.json").is_file():
+        return (
+            f"{written}: the LoRA adapters ({source}) of {run_dir} as a PEFT adapter folder; load it with "
+            f"peft.PeftModel.from_pretrained(base, '{loaded}'), or export with --merged for the whole model"
+        )
     return (
         f"{written}: the {source} of {run_dir} as a Hugging Face model folder; {where} with "
         f"transformers.AutoModelForCausalLM.from_pretrained('{loaded}')"

@@ -120,6 +120,7 @@ def _model_file(path: Path) -> str | None:
 HF_EXPORT_NAMES = (
     r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"
+    r"|adapter_config\.json|adapter_model\.safetensors"  # a LoRA run's PEFT adapter folder
 )
 
 
@@ -128,7 +129,7 @@ def hf_export_folder(path: Path) -> str | None:
     problem = _entries(path, HF_EXPORT_NAMES)
     if problem:
         return problem
-    weights = sorted(path.glob("model*.safetensors"))
+    weights = sorted(path.glob("model*.safetensors")) or sorted(path.glob("adapter_model.safetensors"))
     if not weights or any(_weights_file(w) for w in weights[:1]):
         return "is not a Hugging Face export dtrain wrote"
     return None
