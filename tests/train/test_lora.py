@@ -215,3 +215,42 @@ def test_a_hugging_face_model_under_fsdp_exports_adapters_and_merged_weights(tok
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(adapted, before, atol=1e-4)  # the adapters trained and moved the logits
+
+
+def test_a_transformers_model_handed_to_the_trainer_trains_only_its_adapters(tmp_path):
+    """In code, one process: a Llama given to `dtrain.Trainer` with dict batches (its own `.loss`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import dtrain
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    job = dtrain.Config.from_dict({
+        "run": {"dir": str(tmp_path / "run")},
+        "data": {"batch_size": 8},
+        "optimizer": {"lr": 0.01},
+        "training": {"epochs": 2, "log_every": 1, "lora": {"r": 2}},
+        "monitor": {"trackers": []},
+    })  # fmt: skip
+    trainer = dtrain.Trainer(job, model=model, train_data={"input_ids": ids, "labels": ids})
+    trainer.fit()
+    assert trainer.optimizer is not None
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert trained and adapter_names(trained)
+    assert in_optimizer == {id(p) for name, p in model.named_parameters() if name in trained}
+    assert {n.split(".")[-4] for n in trained} == {"q_proj", "v_proj"}  # peft's default for llama
+    for name, p in model.named_parameters():
+        original = before.get(name.replace(".base_layer.", "."))
+        if original is not None:
+            assert torch.equal(p.detach(), original), name  # the base never moved
+    assert any(
+        not torch.equal(p.detach()[0], p.detach()[0] * 0) for n, p in model.named_parameters() if ".lora_B." in n
+    )
+    said = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert said["architecture"] == "LlamaForCausalLM"
+    assert said["lora"]["base"] == "its own initial weights (LlamaForCausalLM, run.seed 0)"

@@ -53,12 +53,14 @@ def of(module: nn.Module) -> Lora | None:
 
 def base_reference(config: Config, module: nn.Module | None = None) -> str:
     """The base the adapters go on, as a checkpoint and model.json name it: model.init_from's path, an hf:
-    folder, else (a model given in code) a transformers model's own name_or_path, else how it was built."""
+    folder, else (a model given in code) a transformers model's own name_or_path, else its own initial
+    weights (drawn with run.seed; a script giving its model in code rebuilds it on resume)."""
     if config.model.weights is not None:
         key, path = config.model.weights
         return f"{key} = {os.path.abspath(path)}"
     name = getattr(getattr(module, "config", None), "_name_or_path", "") if module is not None else ""
-    return f"given in code: {name}" if name else f"model.name = {config.model.name} (its own initial weights)"
+    built = f"{type(module).__name__}, " if module is not None else ""
+    return f"given in code: {name}" if name else f"its own initial weights ({built}run.seed {config.run.seed})"
 
 
 def default_targets(module: nn.Module) -> list[str] | str:
