@@ -254,3 +254,14 @@ def test_a_transformers_model_handed_to_the_trainer_trains_only_its_adapters(tmp
     said = json.loads((tmp_path / "run" / "model.json").read_text())
     assert said["architecture"] == "LlamaForCausalLM"
     assert said["lora"]["base"] == "its own initial weights (LlamaForCausalLM, run.seed 0)"
+
+
+def test_eval_and_generate_of_a_lora_run_say_in_one_line_what_works_instead(gpt_runs):
+    """Neither command rebuilds base + adapters yet: each says so in one line and names the merged export,
+    instead of a state-dict traceback listing every missing base tensor."""
+    run_dir = gpt_runs["ddp"]
+    for args in (("eval", str(run_dir)), ("generate", str(run_dir), "--prompt", "def")):
+        result = dtrain(*args)
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, (args, result.stderr)
+        assert "trained LoRA adapters (training.lora)" in lines[0] and "--merged" in lines[0], lines[0]

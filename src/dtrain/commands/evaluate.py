@@ -52,6 +52,14 @@ def config_of(run_dir: Path, shown: str) -> Path:
             f"config.toml cannot rebuild; dtrain eval evaluates runs of `dtrain run CONFIG` only — in that "
             f"script, load the checkpoint's weights and call trainer.evaluate()"
         )
+    from dtrain.config import read_config
+
+    if read_config(str(config_file))[0].training.lora:
+        raise DtrainError(
+            f"{shown} trained LoRA adapters (training.lora), which dtrain eval does not evaluate yet; export "
+            f"them merged into the base (dtrain export {shown} --format hf --merged --out DIR) and load DIR "
+            f"with from_pretrained"
+        )
     return config_file
 
 

@@ -87,6 +87,12 @@ def _generate(
             )
         raise DtrainError(f"{weights} does not exist and {run_dir} holds no checkpoint: nothing trained to sample")
     config, _ = read_config(config_file)  # a renamed key in a config.toml dtrain wrote is not the user's to fix
+    if config.training.lora:
+        raise DtrainError(
+            f"{run_dir_said} trained LoRA adapters (training.lora), which dtrain generate does not sample yet; "
+            f"export them merged into the base (dtrain export {run_dir_said} --format hf --merged --out DIR) "
+            f"and call generate on the model from_pretrained loads from DIR"
+        )
     if config.data.name != "tokens":
         raise DtrainError(
             f"{config_file}: data.name = '{config.data.name}'; generate needs a language model "
