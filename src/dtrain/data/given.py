@@ -7,6 +7,9 @@ process), `collate_fn` (unless the Trainer was given one), `num_workers`, `pin_m
 adds what distributed training needs and the loader cannot know: the rank's shard, each epoch's order
 (set_epoch, by run.seed) and the position a resume continues from. Its sampler (a DistributedSampler
 included), generator and worker_init_fn are not used. An eval loader gives its data set and batch size.
+A torchdata `StatefulDataLoader` is taken the same way: over an iterable data set dtrain reads the rank's
+share through a StatefulDataLoader of its own with those settings, and keeps its state per rank
+(data.streams); over a map-style set the step says the position, as for any loader.
 """
 
 from __future__ import annotations

@@ -128,6 +128,8 @@ def train_batches(
 class EvalBatches:
     """One rank's evaluation batches: each held-out sample on exactly one rank, none padded in."""
 
+    interleaved = True  # rank r holds samples r, r + world, ... (eval_shard): gathered, they interleave
+
     def __init__(
         self,
         dataset: Any,  # any map-style data set with a length

@@ -23,8 +23,9 @@ from dtrain import distributed, factory
 from dtrain.config import Config
 from dtrain.data import EvalBatches, TensorDict
 from dtrain.data.batch import IGNORE_INDEX, num_samples
+from dtrain.data.stream_eval import StreamEvalBatches
 from dtrain.data.streams import is_stream
-from dtrain.errors import ConfigError, DataError, DtrainError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, logits_of
@@ -48,7 +49,7 @@ class Evaluator:
 
     def __init__(
         self,
-        batches: EvalBatches,
+        batches: EvalBatches | StreamEvalBatches,
         loss_of: LossOf,
         user_metrics: EvalMetrics | None,
         eval_every: int,
@@ -76,11 +77,14 @@ class Evaluator:
         tells `timer`'s progress (the hang watch) that it evaluates."""
         if eval_data is None:
             return None
-        if is_stream(eval_data):  # every eval sample once across the ranks: that needs a length
-            raise DataError(
-                f"eval_data is an iterable data set ({type(eval_data).__name__}); evaluation needs a map-style "
-                f"one with a length (a datasets.Dataset, a list of samples, a TensorDataset)"
+        every_steps, progress = config.training.eval_every_steps, timer.progress
+        metrics = user_metrics or configured_metrics(config.training.eval_metrics)
+        if is_stream(eval_data):  # each rank's share read whole (or capped) every evaluation: stream_eval.py
+            rank, world, device = session.rank, session.world_size, session.device
+            stream = StreamEvalBatches(
+                eval_data, rank, world, config.data, device, collate_fn, config.training.eval_batches
             )
+            return cls(stream, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
         if len(eval_data) == 0:  # nothing to evaluate: said, rather than eval lines with no metric on them
             if session.is_main:
                 print("note: eval_data holds no samples: this run does not evaluate", file=sys.stderr, flush=True)
@@ -88,8 +92,6 @@ class Evaluator:
         cap = config.training.eval_batches * config.data.eval_batch_size
         eval_data = capped(eval_data, cap, config.run.seed) if cap else eval_data
         batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
-        every_steps, progress = config.training.eval_every_steps, timer.progress
-        metrics = user_metrics or configured_metrics(config.training.eval_metrics)
         return cls(batches, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
 
     def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:
@@ -108,7 +110,7 @@ class Evaluator:
         batches = self.batches.evened() if forward_is_collective else ((batch, True) for batch in self.batches)
         was_training = module.training
         module.eval()
-        sums = EvalSums(device, self.user_metrics)
+        sums = EvalSums(device, self.user_metrics, self.batches.interleaved)
         for batch, counted in batches:
             self.progress.at("evaluation")
             with self.precision.autocast():
@@ -135,9 +137,9 @@ def capped(eval_data: Any, cap: int, seed: int) -> Any:
 
 
 class EvalSums:
-    def __init__(self, device: torch.device, user_metrics: EvalMetrics | None = None):
+    def __init__(self, device: torch.device, user_metrics: EvalMetrics | None = None, interleaved: bool = True):
         self.device = device
-        self.split = SplitOutputs(user_metrics) if isinstance(user_metrics, WholeSplit) else None
+        self.split = SplitOutputs(user_metrics, interleaved) if isinstance(user_metrics, WholeSplit) else None
         self.user_metrics = None if isinstance(user_metrics, WholeSplit) else user_metrics
         self.sums: dict[str, torch.Tensor] = {}
 

@@ -44,8 +44,8 @@ def whole_split(fn: SplitFn) -> WholeSplit:
 class SplitOutputs:
     """One rank's predictions and targets over its eval batches, gathered and scored once at the end."""
 
-    def __init__(self, metric: WholeSplit):
-        self.metric = metric
+    def __init__(self, metric: WholeSplit, interleaved: bool = True):
+        self.metric, self.interleaved = metric, interleaved
         self.predictions: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
 
@@ -66,8 +66,10 @@ class SplitOutputs:
         if not shares:
             return {}
         # Rank r holds samples r, r + world, r + 2·world, ... (eval_shard): interleaving restores the order.
-        predictions = _interleave([p for p, _ in shares])
-        targets = _interleave([t for _, t in shares])
+        # An iterable set's shares (data.stream_eval) have no common order: rank after rank.
+        order = _interleave if self.interleaved else torch.cat
+        predictions = order([p for p, _ in shares])
+        targets = order([t for _, t in shares])
         return distributed.rank0_decides(lambda: _scored(self.metric.fn, predictions, targets)) or {}
 
 
