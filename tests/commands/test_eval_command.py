@@ -89,6 +89,11 @@ def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_
             [str(run_dir), "training.eval_metrics=config_metrics:no_such"],
             "training.eval_metrics = 'config_metrics:no_such': module 'config_metrics' has no function 'no_such'",
         ),
+        (
+            [str(run_dir), "--out", str(tmp_path / "no_such" / "eval.json")],
+            f"--out {tmp_path / 'no_such' / 'eval.json'}: folder {tmp_path / 'no_such'} does not exist",
+        ),
+        ([str(run_dir), "training.eval_metrics=:"], "training.eval_metrics = ':': write it as 'package.module:name'"),
     ):
         result = dtrain("eval", *args)
         lines = (result.stdout + result.stderr).splitlines()

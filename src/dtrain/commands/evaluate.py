@@ -93,6 +93,8 @@ def check_out(out: str | None, run_dir: Path) -> None:
         )
     if target.is_dir():
         raise DtrainError(f"--out {out} is a folder; give a file name, e.g. eval.json")
+    if not target.parent.is_dir():
+        raise DtrainError(f"--out {out}: folder {target.parent} does not exist; create it or give another file")
 
 
 def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, Any]:

@@ -39,7 +39,8 @@ def configured_metrics(ref: str) -> EvalMetrics | None:
     fn(output, batch) or a `dtrain.whole_split(fn)` (a run described by its config has no other way)."""
     if not ref:
         return None
-    if ":" not in ref:
+    module_name, _, name = ref.partition(":")
+    if not module_name.strip() or not name.strip():
         raise ConfigError(f"training.eval_metrics = '{ref}': write it as 'package.module:name'")
     return cast(EvalMetrics, factory.resolve("training.eval_metrics", ref, also=(WholeSplit,)))
 
