@@ -477,6 +477,7 @@ def _eval_here(args: argparse.Namespace, run_dir, shown: str) -> int:
     config, notes = read_config(str(evaluate.config_of(run_dir, shown)), args.overrides)
     _say_notes(notes)
     choice = evaluate.choose(run_dir, args.step, shown)
+    evaluate.check_intact(run_dir, choice)
     evaluate.check_out(args.out, run_dir)
     distributed.keep_to_the_cpu(config.training.device)
     spec = _spec(args)

@@ -101,6 +101,20 @@ def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_
         assert lines[0].startswith(f"dtrain: error: {said}"), lines[0]
 
 
+def test_a_damaged_checkpoint_is_named_in_one_line(trained, tmp_path):
+    """A truncated checkpoint file: the line a resume says, not the tensor reader's traceback."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained[0], run_dir)
+    shard = sorted((run_dir / "checkpoints" / "step-30" / "state").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = dtrain("eval", str(run_dir))
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
+    assert lines[0].startswith(f"dtrain: error: checkpoint step-30 is damaged: {shard} is truncated"), lines[0]
+
+
 def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(tmp_path):
     run_dir = tmp_path / "fsdp"
     fsdp = ["distributed.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]

@@ -82,6 +82,17 @@ def choose(run_dir: Path, step: int | None, shown: str) -> Choice:
     raise DtrainError(f"{shown} holds no complete checkpoint and no final weights: nothing to evaluate yet")
 
 
+def check_intact(run_dir: Path, choice: Choice) -> None:
+    """A chosen checkpoint's files against its marker's sizes and CRCs: a truncated or altered one is one
+    line naming it (as a resume and `dtrain export` say), not a reader's traceback. Once, in the launcher."""
+    from dtrain.checkpoint.store import CheckpointStore
+
+    if choice.step is None:
+        return
+    store = CheckpointStore(run_dir)
+    store.check_intact(next(c for c in store.complete() if c.step == choice.step))
+
+
 def check_out(out: str | None, run_dir: Path) -> None:
     """--out must be a file outside run.dir: the run's folder holds only what the run writes."""
     if out is None:
