@@ -18,7 +18,8 @@ F1 = "training.eval_metrics=config_metrics:macro_f1"  # a whole-split metric nam
 def trained(tmp_path_factory):
     """A 30-step run on one process: checkpoints step-20, -25, -30 kept; eval lines every 5 steps."""
     run_dir = tmp_path_factory.mktemp("eval-cmd") / "run"
-    ok(dtrain("run", *SMALL_JOB, *EVERY_5, F1, f"run.dir={run_dir}"))
+    console = ok(dtrain("run", *SMALL_JOB, *EVERY_5, F1, f"run.dir={run_dir}")).stderr
+    (run_dir.parent / "console.txt").write_text(console)  # beside run.dir: the run's own lines
     return run_dir, {line["step"]: line for line in eval_lines(run_dir)}
 
 
@@ -45,6 +46,10 @@ def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logge
     newest = evaluated(run_dir, tmp_path / "newest.json")
     assert newest["step"] == 30 and newest["world_size"] == 1
     assert 0 < logged[30]["eval_f1"] < 1  # training.eval_metrics: the run's records and dtrain eval carry it
+    console = (run_dir.parent / "console.txt").read_text()  # and the run's console eval line shows it
+    assert f"eval_f1 {logged[30]['eval_f1']:.4g}" in next(
+        x for x in console.splitlines() if x.startswith("step 30 |") and "eval_loss" in x
+    )
     assert {k: newest[k] for k in logged_metrics(logged[30])} == logged_metrics(logged[30])
     at_20 = evaluated(run_dir, tmp_path / "20.json", "--step", "20")
     assert at_20["step"] == 20

@@ -197,6 +197,10 @@ def format_record(record: dict[str, Any]) -> str:
                     f"{name} {record[f'{name}_ms']:.1f}" if f"{name}_ms" in record else f"{name} not measured"
                     for name in ("data", "compute", "comm", "optimizer")
                 )
+    known = {key for key, _ in CONSOLE_FORMATS} | {"eval_samples"}
+    for key, value in record.items():  # the user's eval_metrics (training.eval_metrics, Trainer's), as logged
+        if key.startswith("eval_") and key not in known and isinstance(value, (int, float)):
+            parts.append(f"{key} {value:.4g}")
     return " | ".join(parts)
 
 
