@@ -17,6 +17,7 @@ from dtrain.data import padding
 from dtrain.data.batch import IGNORE_INDEX, real_tokens
 from dtrain.data.packing import PackedWindows, mark_documents
 from dtrain.data.prepare import prepare_text
+from dtrain.errors import DataError
 from dtrain.models.gpt import GPT
 from dtrain.train.loss import LossOf
 from helpers import WORKERS, ok, train_lines
@@ -49,6 +50,18 @@ def test_the_collator_pads_to_the_longest_row_rounded_to_the_multiple():
     )
     assert given["attention_mask"].tolist() == [[0, 1, 0], [1, 1, 1]]  # the rows' own masks, padded with 0
     assert given["labels"].tolist() == [[IGNORE_INDEX, 6, IGNORE_INDEX], [7, 8, 9]]
+
+
+def test_rows_the_collator_cannot_line_up_are_one_line():
+    collate = dtrain.pad_to_longest(pad_token_id=0)
+    for rows, says in [
+        ([{"input_ids": [1, 2], "labels": [5]}], "row 0's 'labels' has 1 entries for 2 input_ids"),
+        ([{"input_ids": [1], "attention_mask": [1]}, {"input_ids": [1, 2], "attention_mask": [1]}], "row 1's 'at"),
+        ([], "an empty batch"),
+    ]:
+        with pytest.raises(DataError, match=says) as caught:
+            collate(rows)
+        assert "\n" not in str(caught.value)
 
 
 def test_the_pad_token_comes_from_the_tokenizer_or_the_model_config_else_one_line():

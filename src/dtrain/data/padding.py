@@ -39,7 +39,9 @@ class PadToLongest:
         self.pad_token_id, self.multiple_of = pad_token_id, multiple_of
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        if not rows or not all(isinstance(r, Mapping) and "input_ids" in r for r in rows):
+        if not rows:
+            raise DataError("pad_to_longest was given an empty batch: no rows to collate")
+        if not all(isinstance(r, Mapping) and "input_ids" in r for r in rows):
             raise DataError(
                 "pad_to_longest collates rows that are dicts holding 'input_ids' (a tokenized data set's rows)"
             )
@@ -51,16 +53,16 @@ class PadToLongest:
         for row, i in enumerate(ids):
             real[row, : len(i)] = 1
         if "attention_mask" in rows[0]:  # the row's own mask (a left part may be masked too), padded with 0
-            real = _pad([_as_1d(r["attention_mask"], "attention_mask") for r in rows], width, 0)
+            real = _pad(_aligned([r["attention_mask"] for r in rows], ids, "attention_mask"), width, 0)
         batch["attention_mask"] = real
         for key in rows[0]:
             if key in batch:
                 continue
             values = [r[key] for r in rows]
             if key == "labels" and _per_token(values[0]):
-                batch[key] = _pad([_as_1d(v, key) for v in values], width, IGNORE_INDEX)
+                batch[key] = _pad(_aligned(values, ids, key), width, IGNORE_INDEX)
             elif _per_token(values[0]):
-                batch[key] = _pad([_as_1d(v, key) for v in values], width, 0)
+                batch[key] = _pad(_aligned(values, ids, key), width, 0)
             else:
                 batch[key] = torch.as_tensor(values) if not isinstance(values[0], torch.Tensor) else torch.stack(values)
         if "labels" not in batch and "label" not in batch:  # a causal LM's: the input ids, padding left out
@@ -69,6 +71,19 @@ class PadToLongest:
 
     def __repr__(self) -> str:
         return f"pad_to_longest(pad_token_id={self.pad_token_id}, multiple_of={self.multiple_of})"
+
+
+def _aligned(values: Sequence[Any], ids: Sequence[torch.Tensor], key: str) -> list[torch.Tensor]:
+    """A per-token field of each row, as long as the row's input_ids (a shorter one would be padded into
+    labels that no longer line up with their tokens: refused)."""
+    tensors = [_as_1d(v, key) for v in values]
+    for row, (tensor, tokens) in enumerate(zip(tensors, ids)):
+        if len(tensor) != len(tokens):
+            raise DataError(
+                f"pad_to_longest: row {row}'s '{key}' has {len(tensor)} entries for {len(tokens)} input_ids; "
+                f"a per-token field must be as long as the row's input_ids"
+            )
+    return tensors
 
 
 def pad_to_longest(pad_token_id: int | None = None, *, multiple_of: int = 1, tokenizer: Any = None) -> PadToLongest:
