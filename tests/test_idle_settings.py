@@ -41,6 +41,11 @@ IDLE = "note: these settings do nothing in this job and are ignored: "
             "distributed.hsdp_shard_size = 2 (an hsdp setting; distributed.strategy = fsdp); "
             "model.hidden_size = 3 (the built-in mlp's width; model.name = cnn)",
         ),
+        (
+            ["data.pad_to_multiple_of=8", "data.pad_token_id=0"],
+            "data.pad_to_multiple_of = 8 (a padding setting; data.padding = none); "
+            "data.pad_token_id = 0 (a padding setting; data.padding = none)",
+        ),
         # Each of these does something here: nothing to say.
         (["distributed.strategy=fsdp", "distributed.fsdp_cpu_offload=true", 'model.blocks=["Linear"]'], None),
         (
@@ -48,12 +53,19 @@ IDLE = "note: these settings do nothing in this job and are ignored: "
             None,
         ),
         (['model.blocks=["Linear"]', "training.activation_checkpointing=full"], None),
+        (["data.padding=longest", "data.pad_to_multiple_of=8", "data.pad_token_id=0"], None),
         (['model.blocks=["Linear"]', "training.compile=blocks", "distributed.static_graph=true"], None),
     ],
 )
 def test_settings_that_do_nothing_are_named_in_one_note(overrides, said):
     result = ok(dtrain("config", "examples/digits_mlp.toml", *overrides))
     assert result.stderr.splitlines() == ([IDLE + said] if said else [])
+
+
+def test_shuffle_under_random_windows_is_named_in_the_note():
+    result = ok(dtrain("config", "examples/gpt_stdlib.toml", "data.sampling=random", "data.shuffle=false"))
+    said = "data.shuffle = false (random windows are drawn at random; data.sampling = random)"
+    assert result.stderr.splitlines() == [IDLE + said]
 
 
 def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):

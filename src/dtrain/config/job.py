@@ -212,6 +212,11 @@ def idle_settings(config: Config) -> list[str]:
     if is_ddp and config.model.blocks and training.activation_checkpointing == "none" and training.compile != "blocks":
         why = "DDP uses blocks only for training.activation_checkpointing and training.compile=blocks, both off"
         idle.append(said("model", "blocks", why))
+    if config.data.padding == "none":
+        why = "a padding setting; data.padding = none"
+        idle += [said("data", key, why) for key in ("pad_to_multiple_of", "pad_token_id") if given("data", key)]
+    if config.data.sampling == "random" and given("data", "shuffle"):
+        idle.append(said("data", "shuffle", "random windows are drawn at random; data.sampling = random"))
     if config.model.name != "mlp" and given("model", "hidden_size"):
         idle.append(said("model", "hidden_size", f"the built-in mlp's width; model.name = {config.model.name}"))
     return [f"these settings do nothing in this job and are ignored: {'; '.join(idle)}"] if idle else []
