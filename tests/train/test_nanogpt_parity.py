@@ -213,6 +213,9 @@ def test_random_windows_resume_exactly_after_a_stop(two_ranks):
             torch.randint(2, (BATCH,), generator=generator)  # as many draws as 5 steps took
         assert kept["steps"] == 5
         assert base64.b64decode(kept["generator"]) == generator.get_state().numpy().tobytes()
+    # and says how it sampled: a resume under data.sampling = windows names the change in its note
+    trainer = json.loads((two_ranks["out"] / "stopped/checkpoints/step-5/trainer.json").read_text())
+    assert trainer["setup"]["data.sampling"] == "random" and trainer["setup"]["data.packing"] is False
     unbroken_losses, unbroken_seen = two_ranks["unbroken"]
     stopped_losses, stopped_seen = two_ranks["stopped"]
     resumed_losses, resumed_seen = two_ranks["resumed"]

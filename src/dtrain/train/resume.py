@@ -252,6 +252,8 @@ def spread(config: Config) -> dict[str, Any]:
         "training.compile": config.training.compile,
         "training.activation_checkpointing": config.training.activation_checkpointing,
         "training.precision": config.training.precision,
+        "data.sampling": config.data.sampling,  # which windows the steps after the resume draw
+        "data.packing": config.data.packing,
     }
 
 
