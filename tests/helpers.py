@@ -30,6 +30,24 @@ SMALL_JOB = [
 ]
 
 
+def gpt_on_tokens(tokens: Path, run_dir: Path, *args: str, block: int = 32, batch: int = 4) -> list[str]:
+    """The arguments of `dtrain run` for the built-in GPT (examples/gpt_stdlib.toml) on the token folder
+    `tokens`, 2 processes, every step logged, no evaluation: `dtrain(*gpt_on_tokens(...))`; `args` last."""
+    return [
+        "run",
+        "examples/gpt_stdlib.toml",
+        f"data.path={tokens}",
+        f"data.block_size={block}",
+        f"data.batch_size={batch}",
+        "training.log_every=1",
+        "training.eval_every=0",
+        f"run.dir={run_dir}",
+        "--nproc",
+        "2",
+        *args,
+    ]
+
+
 def env(**extra: str) -> dict[str, str]:
     """A clean environment for a child: no inherited rank variables, tests importable."""
     e = {

@@ -20,27 +20,14 @@ from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT
-from helpers import WORKERS, dtrain, ok, torchrun, train_lines
+from helpers import WORKERS, dtrain, gpt_on_tokens, ok, torchrun, train_lines
 
 BATCH, BLOCK = 4, 32  # per process; 2 processes
 OPTIONS = "model.options={n_layer = 2, n_head = 2, n_embd = 32}"
 
 
 def job(tokens: Path, run_dir: Path, *args: str) -> list[str]:
-    return [
-        "run",
-        "examples/gpt_stdlib.toml",
-        f"data.path={tokens}",
-        f"data.block_size={BLOCK}",
-        f"data.batch_size={BATCH}",
-        "training.log_every=1",
-        "training.eval_every=0",
-        "scheduler.warmup_steps=2",
-        f"run.dir={run_dir}",
-        "--nproc",
-        "2",
-        *args,
-    ]
+    return gpt_on_tokens(tokens, run_dir, "scheduler.warmup_steps=2", *args, block=BLOCK, batch=BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ adapter folder PeftModel loads.
 The runs are shared by the tests (module fixtures): each test reads the files they left."""
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,8 @@ from safetensors import safe_open
 from dtrain.checkpoint.export import load_weights, save_final_weights
 from dtrain.checkpoint.metadata import SafeReader
 from dtrain.commands.export import export
-from dtrain.data.prepare import prepare_text
 from dtrain.models.gpt import GPT
-from helpers import dtrain, ok, train_lines
+from helpers import dtrain, gpt_on_tokens, ok, train_lines
 
 BATCH, BLOCK, VOCAB = 4, 32, 257
 GPT_OPTIONS = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -27,29 +25,14 @@ LORA = "training.lora={r = 4, alpha = 8, dropout = 0.1}"  # dropout: its RNG mus
 
 
 def job(tokens: Path, run_dir: Path, *args: str) -> list[str]:
-    return [
-        "run",
-        "examples/gpt_stdlib.toml",
-        f"data.path={tokens}",
-        f"data.block_size={BLOCK}",
-        f"data.batch_size={BATCH}",
-        "training.log_every=1",
-        "training.eval_every=0",
-        "training.max_steps=6",
-        "optimizer.lr=0.01",
-        "scheduler.warmup_steps=0",
-        f"run.dir={run_dir}",
-        "--nproc",
-        "2",
-        *args,
-    ]
+    return gpt_on_tokens(
+        tokens, run_dir, "training.max_steps=6", "optimizer.lr=0.01", "scheduler.warmup_steps=0", *args
+    )
 
 
 @pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens") / "json"
-    prepare_text([str(Path(sysconfig.get_paths()["stdlib"]) / "json")], str(out), tokenizer="bytes")
-    return out
+def tokens(json_byte_tokens):
+    return json_byte_tokens
 
 
 @pytest.fixture(scope="module")
