@@ -1,5 +1,5 @@
 """The dimensions of parallelism a job runs with, built from the config and the world size and checked
-together; tensor and pipeline parallel are present at degree 1 and refused above it."""
+together: the data dimensions take what tensor, pipeline and context parallel leave."""
 
 import pytest
 
@@ -33,16 +33,65 @@ def test_shard_groups_that_do_not_divide_the_processes_are_refused_in_one_line()
         ParallelDims.from_config(config, 4, 4)
     assert str(caught.value) == (
         "distributed.strategy = 'hsdp' shards over groups of 3 processes (distributed.hsdp_shard_size, "
-        "default: the processes of one node) and 4 processes do not divide into them; set "
+        "default: the processes of one node) and 4 data-parallel processes do not divide into them; set "
         "distributed.hsdp_shard_size to a divisor of 4"
     )
 
 
 @pytest.mark.parametrize(
+    "overrides, world, local, dims",
+    [
+        (["distributed.tp_size=2"], 4, 4, ParallelDims(dp_replicate=2, tp=2)),
+        (["distributed.strategy=fsdp", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_shard=4, tp=2)),
+        (["distributed.pp_size=2", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, pp=2, tp=2)),
+        # hsdp's default group: the data-parallel ranks of one node (4 processes, 2 per tp group)
+        (["distributed.strategy=hsdp", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, dp_shard=2, tp=2)),
+    ],
+)
+def test_the_data_dimensions_take_what_the_model_splits_leave(overrides, world, local, dims):
+    assert ParallelDims.from_config(load_config(None, overrides), world, local) == dims
+
+
+def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
+    dims = ParallelDims(pp=2, dp_replicate=2, tp=2)
+    assert [dims.coordinate(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [dims.coordinate(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
+    # a replica's pipeline and tensor peers draw the same samples
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert dims.describe() == "pp 2 × dp 2 × tp 2"
+    assert ParallelDims(dp_replicate=2, dp_shard=2, tp=2).describe() == "dp 2×2 (replicate×shard) × tp 2"
+
+
+@pytest.mark.parametrize(
+    "overrides, world, local, message",
+    [
+        (
+            ["distributed.tp_size=2", "distributed.pp_size=2"],
+            6,
+            6,
+            "distributed.tp_size = 2 × distributed.pp_size = 2 splits the model over 4 processes and 6 "
+            "processes are not a multiple of 4; run a multiple of 4 (4, 8, 12, 16, ...) or set sizes whose "
+            "product divides 6",
+        ),
+        (
+            ["distributed.tp_size=4"],
+            8,
+            2,
+            "distributed.tp_size × cp_size = 4 would span nodes of 2 processes (their all-gathers run every "
+            "layer and need the node's fast links); use a divisor of 2, with FSDP or pipeline stages across "
+            "the nodes",
+        ),
+    ],
+)
+def test_layouts_that_do_not_fit_the_world_are_refused_in_one_line(overrides, world, local, message):
+    with pytest.raises(ConfigError) as caught:
+        ParallelDims.from_config(load_config(None, overrides), world, local)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
     "degrees, message",
     [
-        ({"tp": 2}, "tensor parallel (tp = 2) is not yet supported: dtrain spreads data only; use tp = 1"),
-        ({"pp": 4}, "pipeline parallel (pp = 4) is not yet supported: dtrain spreads data only; use pp = 1"),
         ({"dp_shard": 0}, "the dp_shard degree of parallelism must be a whole number >= 1; got 0"),
         ({"dp_replicate": True}, "the dp_replicate degree of parallelism must be a whole number >= 1; got True"),
     ],

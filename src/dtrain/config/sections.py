@@ -103,6 +103,33 @@ class DistributedConfig(Section):
     hsdp_shard_size: int = setting(
         0, "hsdp: processes per shard group (0: the processes of one node).", min=0, max=2**20
     )
+    tp_size: int = setting(
+        1,
+        "Tensor parallel: processes each layer's weights are split over (inside one node; 1: off). "
+        "The data-parallel processes are the world divided by tp_size × pp_size × cp_size.",
+        min=1,
+        max=2**20,
+    )
+    pp_size: int = setting(
+        1,
+        "Pipeline parallel: stages the model's blocks are split into, one group of processes each (1: off).",
+        min=1,
+        max=2**20,
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = setting(
+        "1f1b",
+        "Pipeline schedule over the step's micro-batches (training.grad_accum_steps, at least pp_size): "
+        "gpipe, 1f1b, or interleaved_1f1b (pp_stages_per_rank stages per process).",
+    )
+    pp_stages_per_rank: int = setting(
+        0, "Pipeline stages each process holds (0: 2 under interleaved_1f1b, else 1).", min=0, max=2**10
+    )
+    cp_size: int = setting(
+        1,
+        "Context parallel on CUDA GPUs: processes each sequence is split over (torch's context_parallel; 1: off).",
+        min=1,
+        max=2**20,
+    )
     backend: Literal["auto", "nccl", "gloo"] = setting(
         "auto", "auto picks nccl when CUDA GPUs are visible, gloo otherwise."
     )
@@ -143,6 +170,11 @@ class DistributedConfig(Section):
         "checkpointed). none: DDP's plain all-reduce (on CPU, the shared-memory average).",
     )
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each process holds: pp_stages_per_rank, or its default for the schedule."""
+        return self.pp_stages_per_rank or (2 if self.pp_schedule == "interleaved_1f1b" else 1)
+
     def check(self) -> None:
         scheme = self.init_method.split("://", 1)[0]
         if "://" not in self.init_method or scheme not in ("env", "tcp", "file"):
@@ -153,6 +185,16 @@ class DistributedConfig(Section):
         problem = _init_method_problem(self.init_method)
         if problem:
             raise ConfigError(f"distributed.init_method = '{self.init_method}' {problem}")
+        if self.pp_stages_per_rank == 1 and self.pp_schedule == "interleaved_1f1b":
+            raise ConfigError(
+                "distributed.pp_schedule = 'interleaved_1f1b' interleaves several stages per process; "
+                "set distributed.pp_stages_per_rank to 2 or more (or 0: 2)"
+            )
+        if self.pp_stages_per_rank > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"distributed.pp_stages_per_rank = {self.pp_stages_per_rank} needs distributed.pp_schedule = "
+                f"'interleaved_1f1b' ('{self.pp_schedule}' runs one stage per process); set it to 1"
+            )
         hang, timeout = self.hang_timeout_s, self.timeout_s
         if 0 < hang < 1:
             raise ConfigError(

@@ -36,10 +36,11 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     check_servers(trackers)  # within seconds, where the trackers' own clients would wait for minutes
     backend = distributed.resolve_backend(config.distributed.backend, config.training.device)
     check_comm_hook(config.distributed.comm_hook, backend)
-    problem = parallel.check_sharding(config, world_size, local_world_size)
+    gpus = devices.visible_gpus()
+    device_type = "cuda" if gpus and config.training.device != "cpu" else "cpu"
+    problem = parallel.check_sharding(config, world_size, local_world_size, device_type)
     if problem:
         raise ConfigError(problem)
-    gpus = devices.visible_gpus()
     distributed.check_device_capacity(backend, local_world_size, len(gpus))
     # The devices the workers will bind: the first GPUs, or this CPU.
     targets = [("cuda", g.name, g.capability) for g in gpus[:local_world_size]] or [("cpu", "", (0, 0))]

@@ -44,7 +44,7 @@ def builds_on_meta(config: Config, world_size: int) -> bool:
 def build(config: Config, session: Session, module: nn.Module, observer: CommObserver) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
     device) as `distributed.strategy` says; `observer` (the step timer) hears of the gradient communication."""
-    problem = check_sharding(config, session.world_size, session.env.local_world_size)
+    problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
     if problem:
         raise ConfigError(problem)
     sharded = shards_state(config)
@@ -62,10 +62,22 @@ def build(config: Config, session: Session, module: nn.Module, observer: CommObs
     return DDP(module, session, dims, config.distributed, observer, breakdown=config.monitor.breakdown)
 
 
-def check_sharding(config: Config, world_size: int, local_world_size: int) -> str | None:
-    """What a sharded strategy cannot do with this config and world (the launcher checks it before any
-    worker starts), or None."""
+def check_sharding(config: Config, world_size: int, local_world_size: int, device_type: str = "cpu") -> str | None:
+    """What the strategy and the model-splitting sizes cannot do with this config and world (the launcher
+    checks it before any worker starts), or None."""
     dc, name = config.distributed, config.distributed.strategy
+    try:  # the processes must fill every dimension (hsdp: whole shard groups; tp within a node)
+        dims = ParallelDims.from_config(config, world_size, local_world_size)
+    except ConfigError as exc:
+        return str(exc)
+    if dims.cp > 1 and device_type != "cuda":
+        return (
+            f"distributed.cp_size = {dims.cp}: context parallel splits attention over CUDA GPUs "
+            f"(torch's context_parallel has no rule for it on the {device_type}); set distributed.cp_size=1"
+        )
+    for size, what in ((dims.tp, "tp_size"), (dims.pp, "pp_size"), (dims.cp, "cp_size")):
+        if size > 1:  # each lands with its own strategy
+            return f"distributed.{what} = {size} is not supported yet; set distributed.{what}=1"
     if name not in SHARDED:
         return None
     if config.training.precision == "fp16":
@@ -78,8 +90,4 @@ def check_sharding(config: Config, world_size: int, local_world_size: int) -> st
             f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
             f"reduces gradients itself: set distributed.comm_hook=none"
         )
-    try:  # the processes must fill the strategy's dimensions (hsdp: whole shard groups)
-        ParallelDims.from_config(config, world_size, local_world_size)
-    except ConfigError as exc:
-        return str(exc)
     return None

@@ -1,18 +1,23 @@
 """The degrees of parallelism a job runs with, named and validated together (as torchtitan's
 `ParallelDims`): a strategy is a composition of these dimensions, not a class per combination.
 
+    pp            pipeline stages: each group of processes holds a run of the model's blocks
     dp_replicate  copies of the model that average their gradients (DDP; HSDP across its groups)
     dp_shard      processes the parameters, gradients and optimizer state are sharded over (FSDP;
                   HSDP within a group)
-    tp, pp        tensor and pipeline parallel: present, at degree 1, for the mesh they will join
+    cp            context parallel: each sequence split over these processes (CUDA only)
+    tp            tensor parallel: each layer's weights split over these processes
 
-Their product is the world size. `distributed.strategy` says which dimensions the processes fill.
+Their product is the world size. `distributed.tp_size`, `pp_size` and `cp_size` fix theirs; the data
+dimensions take the rest, as `distributed.strategy` says. One device mesh holds them all, outermost
+first in the order above: tensor-parallel groups are consecutive ranks (inside one node), pipeline
+stages the slowest-changing coordinate (across groups of nodes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from dtrain.config import Config
@@ -21,7 +26,8 @@ from dtrain.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-_NOT_YET = {"tp": "tensor parallel", "pp": "pipeline parallel"}
+ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
+_KEYS = {"tp": "distributed.tp_size", "pp": "distributed.pp_size", "cp": "distributed.cp_size"}
 
 
 @dataclass(frozen=True)
@@ -30,48 +36,110 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    _meshes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # built once per device type
 
     def __post_init__(self) -> None:
         for f in fields(self):
             degree = getattr(self, f.name)
+            if f.name.startswith("_"):
+                continue
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise ConfigError(f"the {f.name} degree of parallelism must be a whole number >= 1; got {degree!r}")
-        for name, what in _NOT_YET.items():
-            if getattr(self, name) > 1:
-                raise ConfigError(
-                    f"{what} ({name} = {getattr(self, name)}) is not yet supported: dtrain spreads data only; "
-                    f"use {name} = 1"
-                )
 
     @classmethod
     def from_config(cls, config: Config, world_size: int, local_world_size: int) -> ParallelDims:
-        """The dimensions `distributed.strategy` fills with `world_size` processes, `local_world_size`
-        per node; refused in one line when they cannot."""
+        """The dimensions these keys fill with `world_size` processes, `local_world_size` per node;
+        refused in one line when they cannot."""
         dc = config.distributed
+        model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
+        split = math.prod(model.values())
+        if world_size % split:
+            named = " × ".join(f"{_KEYS[k]} = {v}" for k, v in model.items() if v > 1)
+            fits = [n for n in range(split, 4 * split + 1, split)]
+            raise ConfigError(
+                f"{named} splits the model over {split} processes and {world_size} processes are not a "
+                f"multiple of {split}; run a multiple of {split} ({', '.join(map(str, fits[:4]))}, ...) or "
+                f"set sizes whose product divides {world_size}"
+            )
+        inner = dc.tp_size * dc.cp_size  # the dimensions whose groups must lie within one node
+        if inner > 1 and local_world_size % inner and world_size > local_world_size:
+            raise ConfigError(
+                f"distributed.tp_size × cp_size = {inner} would span nodes of {local_world_size} processes "
+                f"(their all-gathers run every layer and need the node's fast links); use a divisor of "
+                f"{local_world_size}, with FSDP or pipeline stages across the nodes"
+            )
+        dp = world_size // split
         if dc.strategy == "fsdp":
-            return cls(dp_shard=world_size)
+            return cls(dp_shard=dp, **model)
         if dc.strategy == "hsdp":
-            shard = dc.hsdp_shard_size or local_world_size
-            if world_size % shard:
+            shard = dc.hsdp_shard_size or max(1, local_world_size // inner)  # a node's data-parallel ranks
+            if dp % shard:
                 raise ConfigError(
                     f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
-                    f"(distributed.hsdp_shard_size, default: the processes of one node) and {world_size} "
-                    f"processes do not divide into them; set distributed.hsdp_shard_size to a divisor of "
-                    f"{world_size}"
+                    f"(distributed.hsdp_shard_size, default: the processes of one node) and {dp} "
+                    f"data-parallel processes do not divide into them; set distributed.hsdp_shard_size to a "
+                    f"divisor of {dp}"
                 )
-            return cls(dp_replicate=world_size // shard, dp_shard=shard)
-        return cls(dp_replicate=world_size)
+            return cls(dp_replicate=dp // shard, dp_shard=shard, **model)
+        return cls(dp_replicate=dp, **model)
 
     @property
     def world_size(self) -> int:
-        return math.prod(getattr(self, f.name) for f in fields(self))
+        return math.prod(getattr(self, name) for name in ORDER)
+
+    @property
+    def dp(self) -> int:
+        """Processes that draw distinct samples: the data-parallel ones."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def splits_model(self) -> bool:
+        """Whether any dimension beyond data parallel is on (tensor, pipeline or context parallel)."""
+        return self.tp * self.pp * self.cp > 1
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """This rank's place on every dimension of the mesh (row-major over ORDER, as the mesh lays it out)."""
+        place: dict[str, int] = {}
+        for name in reversed(ORDER):
+            rank, place[name] = divmod(rank, getattr(self, name))
+        return {name: place[name] for name in ORDER}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel replica `rank` belongs to: the ranks of one replica (its tensor-, context-
+        and pipeline-parallel peers) see the same samples."""
+        at = self.coordinate(rank)
+        return at["dp_replicate"] * self.dp_shard + at["dp_shard"]
+
+    def describe(self) -> str:
+        """The layout in a few words, e.g. 'pp 2 × dp 1 × tp 2' (only the dimensions in use, dp always)."""
+        parts = [f"pp {self.pp}"] if self.pp > 1 else []
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts.append(f"dp {self.dp_replicate}×{self.dp_shard} (replicate×shard)")
+        else:
+            parts.append(f"dp {self.dp}" + (" (shard)" if self.dp_shard > 1 else ""))
+        parts += [f"{name} {getattr(self, name)}" for name in ("cp", "tp") if getattr(self, name) > 1]
+        return " × ".join(parts)
+
+    def world_mesh(self, device_type: str) -> DeviceMesh:
+        """The one device mesh of the job, over the dimensions of degree > 1 (named as in ORDER), built
+        once; every strategy takes its groups from it (`mesh[name]`)."""
+        if device_type not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # A data dimension always (of size 1 where the model is split over every process), so that
+            # a sharded strategy has one to name.
+            data = "dp_shard" if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"
+            used = [name for name in ORDER if getattr(self, name) > 1 or name == data]
+            shape = tuple(getattr(self, name) for name in used)
+            self._meshes[device_type] = init_device_mesh(device_type, shape, mesh_dim_names=tuple(used))
+        return self._meshes[device_type]
 
     def dp_mesh(self, device_type: str) -> DeviceMesh:
-        """The data-parallel device mesh a sharded strategy spreads the model over: one dimension of
-        shards, or (replicate, shard) when there are copies too, the shard groups being consecutive
-        ranks (one node's, by default)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self.dp_replicate == 1:
-            return init_device_mesh(device_type, (self.dp_shard,))
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("replicate", "shard"))
+        """The data-parallel part of the world mesh a sharded strategy spreads the model over: one
+        dimension of shards, or (replicate, shard) when there are copies too, the shard groups being
+        consecutive data-parallel ranks (one node's, by default)."""
+        mesh = self.world_mesh(device_type)
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard" if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"]
