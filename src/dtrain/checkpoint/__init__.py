@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dtrain.checkpoint.best import BestKeeper
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
-from dtrain.checkpoint.state import NOTHING_TO_TRAIN, Parts, Position, epoch_of, regroup
+from dtrain.checkpoint.state import NOTHING_TO_TRAIN, Parts, Position, data_ranks_of, epoch_of, regroup
 from dtrain.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, describe_failure, marker_problem
 from dtrain.config import CheckpointConfig, Config
 from dtrain.distributed import every_rank_raises, later_attempt, rank0_decides
@@ -442,7 +442,7 @@ def resume_geometry(
             return None
         if marker_problem(meta, checkpoint.step):
             return None
-    return checkpoint.name, meta.get("world_size", 1), meta.get("samples_per_step", 0)
+    return checkpoint.name, data_ranks_of(meta), meta.get("samples_per_step", 0)
 
 
 def preflight(
@@ -503,7 +503,7 @@ def finished(
         config.training.max_steps,
     ]
     same_data = [identity.get("data.name"), identity.get("training samples")] == [config.data.name, n_train]
-    same_order = meta.get("world_size") == world_size or global_order is True
+    same_order = data_ranks_of(meta) == world_size or global_order is True
     if not (same_plan and same_data and same_order and n_train and isinstance(per_epoch, int) and per_epoch > 0):
         return None
     if _what_changed(config, run_dir):

@@ -49,6 +49,7 @@ HEADER = (
     "step",
     "epoch",
     "world_size",
+    "data_ranks",
     "samples_per_step",
     "identity",
     "unscheduled_skips",
@@ -79,6 +80,13 @@ class Parts:
     plan: dict[str, int] = field(default_factory=dict)
     # Stateful objects registered by name (Trainer.register_for_checkpointing): saved and restored too.
     extra: dict[str, Any] = field(default_factory=dict)
+    # The processes drawing distinct samples (the data-parallel ones; 0: every process): under tensor or
+    # pipeline parallel a replica's processes share its samples, and the global batch is theirs × per rank.
+    data_ranks: int = 0
+
+    @property
+    def data_world(self) -> int:
+        return self.data_ranks or self.world_size
 
     def __post_init__(self) -> None:
         taken = sorted(set(self.extra) & {*BUILT_IN_PARTS, *HEADER})
@@ -87,6 +95,12 @@ class Parts:
                 f"register_for_checkpointing({taken[0]}=...): every checkpoint holds a '{taken[0]}' of its own; "
                 f"register it under another name"
             )
+
+
+def data_ranks_of(meta: dict[str, Any]) -> int:
+    """The processes that drew distinct samples for checkpoint `meta` (before tensor and pipeline parallel,
+    checkpoints did not say: every process did)."""
+    return meta.get("data_ranks", meta.get("world_size", 1))
 
 
 def identity_mismatch(name: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:

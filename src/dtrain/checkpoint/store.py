@@ -165,9 +165,10 @@ def marker_problem(meta: Any, step: int) -> str | None:
         return formats.stated_problem(meta["format"])
     if stated and "samples_per_step" not in meta:
         return "no samples_per_step"
-    world = meta.get("world_size", 1)
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        return f"world_size {world!r}"
+    for key in ("world_size", "data_ranks"):
+        world = meta.get(key, 1)
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            return f"{key} {world!r}"
     per_rank = meta.get("samples_per_step", 1)
     if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
         return f"samples_per_step {per_rank!r}"

@@ -31,7 +31,7 @@ from dtrain.checkpoint.metadata import SafeReader
 from dtrain.checkpoint.parts import Part, Saved, adapters
 from dtrain.checkpoint.rng import load_rng as _load_rng
 from dtrain.checkpoint.rng import save_rng as _save_rng
-from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, Position, identity_mismatch
+from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, Position, data_ranks_of, identity_mismatch
 from dtrain.checkpoint.store import CheckpointError, describe_failure
 from dtrain.files import fsync_file
 
@@ -72,6 +72,7 @@ def stage(parts: Parts, position: Position) -> Staged:
         "step": position.step,
         "epoch": position.epoch,
         "world_size": parts.world_size,
+        "data_ranks": parts.data_world,
         "samples_per_step": parts.samples_per_step,
         "identity": parts.identity,
         **({"plan": parts.plan} if parts.plan else {}),
@@ -309,11 +310,11 @@ def _one_process_is_intended():
 def _check_geometry(folder: Path, trainer: dict[str, Any], parts: Parts) -> None:
     """The same global batch per step (the trainer has already chosen the accumulation that makes it up,
     `regroup`, or refused)."""
-    saved_world, saved_per_rank = trainer["world_size"], trainer["samples_per_step"]
-    if saved_world * saved_per_rank != parts.world_size * parts.samples_per_step:
+    saved_world, saved_per_rank = data_ranks_of(trainer), trainer["samples_per_step"]
+    if saved_world * saved_per_rank != parts.data_world * parts.samples_per_step:
         raise CheckpointError(
             f"checkpoint {folder.name} trained on global batches of "
             f"{saved_world * saved_per_rank} samples and this run takes "
-            f"{parts.world_size * parts.samples_per_step}; resume with the same global batch "
+            f"{parts.data_world * parts.samples_per_step}; resume with the same global batch "
             f"(processes × data.batch_size × training.grad_accum_steps), or start a new run.dir"
         )

@@ -25,7 +25,9 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     """Refuse, before any process starts, a job that cannot run here; fetch data it may download. A line to
     say instead of starting any (a finished run rerun: nothing to train), or None."""
     check_model_fits_data(config)
-    config = with_global_batch(config, world_size)  # the largest world of an elastic range; workers redo it
+    # The processes drawing distinct samples: the world, less a replica's tensor and pipeline peers.
+    dp = parallel.data_ranks(config, world_size, local_world_size)
+    config = with_global_batch(config, dp)  # the largest world of an elastic range; workers redo it
     run_dir = Path(config.run.dir)
     if objstore.is_url(config.run.dir):  # the store checked, and its run.dir fetched to a staging folder
         run_dir = fetch_for_launcher(config.run.dir, config.checkpoint.keep)
@@ -60,23 +62,23 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
             raise ConfigError(problem)
     models.check_weights(config.model)
     data.fetch(config)
-    data.check(config, world_size)
+    data.check(config, dp)
     sample = data.sample_of(config)
     if sample is not None:  # a built-in data set: whether the model can be built for it is known now
         models.check(config.model, *sample)
     n_train = data.size_hint(config)
     if n_train is not None:
-        data.check_shardable(config, n_train, world_size)
+        data.check_shardable(config, n_train, dp)
     rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     # Token data is served in an order that does not depend on the world size; a factory's may be.
     global_order = data.global_order_of(config)
     # On one node only: on several, a node's launcher leaving at once would keep the others waiting.
     if world_size == local_world_size:
-        done = checkpoint.finished(config, run_dir, world_size, n_train, global_order)
+        done = checkpoint.finished(config, run_dir, dp, n_train, global_order)
         if done:
             return done
-    resume_from = checkpoint.preflight(config, run_dir, world_size, global_order, fresh=fresh)
+    resume_from = checkpoint.preflight(config, run_dir, dp, global_order, fresh=fresh)
     if world_size > local_world_size:
         return None  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()

@@ -40,6 +40,7 @@ class StepMetrics:
         batches: Batches,
         loss_of: Callable,
         count_skips: bool,
+        data_ranks: int = 0,
     ) -> StepMetrics:
         """The metrics of a run: FLOPs per sample counted (on the whole module: before it is sharded)
         where `monitor.flops` asks, or at "auto" where the device's peak is known (for MFU)."""
@@ -48,7 +49,8 @@ class StepMetrics:
         counted = monitor.flops == "yes" or (monitor.flops == "auto" and peak is not None)
         flops = perf.training_flops_per_sample(module, batches, loss_of) if counted else None
         hosts = distributed.hostnames()
-        return cls(device, world_size, timer, hosts, flops, peak, monitor.straggler_margin, count_skips)
+        margin = monitor.straggler_margin
+        return cls(device, world_size, timer, hosts, flops, peak, margin, count_skips, data_ranks)
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class StepMetrics:
         peak_flops: float | None,
         straggler_margin: float,
         count_skips: bool = False,
+        data_ranks: int = 0,
     ):
         self.loss_sum = torch.zeros((), device=device)  # added to every step, read only here
         self.norm_sum = torch.zeros((), device=device)  # finite norms only: a skipped fp16 step's is inf
@@ -68,6 +71,9 @@ class StepMetrics:
         self.count_skips = count_skips
         self.device = device
         self.world_size = world_size
+        # The processes drawing distinct samples (0: all): a replica's tensor- and pipeline-parallel
+        # processes see the same samples, which count once.
+        self.data_ranks = data_ranks or world_size
         self.timer = timer
         self.hosts = hosts
         self.flops_per_sample = flops_per_sample
@@ -202,7 +208,7 @@ class StepMetrics:
         now = time.perf_counter()
         seconds = max(now - self._start, 1e-9)  # rank 0's gather to gather: throughput over a run adds up
         per_step = max(self._steps, 1) * self.world_size
-        samples_per_s = self._samples * self.world_size / seconds
+        samples_per_s = self._samples * self.data_ranks / seconds
         record: dict[str, Any] = {"loss": sum(r[_LOSS] for r in rows) / per_step}
         norms = sum(r[_NORMS] for r in rows)
         if norms:  # none when every step of the window was skipped
@@ -213,9 +219,9 @@ class StepMetrics:
         # Real tokens (padding left out), which MFU counts too: padded positions are work not asked for.
         real_share = 1.0
         if self._positions is not None:
-            tokens = sum(r[_TOKENS] for r in rows)
+            tokens = sum(r[_TOKENS] for r in rows) * self.data_ranks / self.world_size
             record["tokens_per_s"] = tokens / seconds
-            real_share = tokens / max(self._positions * self.world_size, 1)
+            real_share = tokens / max(self._positions * self.data_ranks, 1)
         stop = any(r[_STOP] > 0 for r in rows)
         if all(r[_MEASURED] for r in rows):  # once: the first log step after each rank measured its own
             record.update({name: [int(r[_MEMORY0 + i]) for r in rows] for i, name in enumerate(memory_fields)})

@@ -41,7 +41,21 @@ def builds_on_meta(config: Config, world_size: int) -> bool:
     return shards_state(config) and world_size > 1 and config.model.weights is not None and not config.training.lora
 
 
-def build(config: Config, session: Session, module: nn.Module, observer: CommObserver) -> Strategy:
+def layout(config: Config, session: Session) -> ParallelDims:
+    """The job's dimensions of parallelism for this session's processes (checked by the launcher first)."""
+    return ParallelDims.from_config(config, session.world_size, session.env.local_world_size)
+
+
+def data_ranks(config: Config, world_size: int, local_world_size: int) -> int:
+    """The processes of a `world_size` job that draw distinct samples: the world over the model's splits
+    (tensor, pipeline, context parallel); a layout that does not factor is refused by check_sharding."""
+    dc = config.distributed
+    return max(1, world_size // (dc.tp_size * dc.pp_size * dc.cp_size))
+
+
+def build(
+    config: Config, session: Session, module: nn.Module, observer: CommObserver, dims: ParallelDims | None = None
+) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
     device) as `distributed.strategy` says; `observer` (the step timer) hears of the gradient communication."""
     problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
@@ -52,7 +66,7 @@ def build(config: Config, session: Session, module: nn.Module, observer: CommObs
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
-    dims = ParallelDims.from_config(config, session.world_size, session.env.local_world_size)
+    dims = dims or layout(config, session)
     if sharded:
         from dtrain.parallel.fsdp import FSDP
 

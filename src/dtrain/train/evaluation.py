@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from dtrain import distributed, factory
+from dtrain import distributed, factory, parallel
 from dtrain.config import Config
 from dtrain.data import EvalBatches, TensorDict
 from dtrain.data.batch import IGNORE_INDEX, num_samples
@@ -75,15 +75,17 @@ class Evaluator:
         timer: StepTimer,
     ) -> Evaluator | None:
         """The evaluator of `eval_data`, this rank's share batched as `data` says (None without one); it
-        tells `timer`'s progress (the hang watch) that it evaluates."""
+        tells `timer`'s progress (the hang watch) that it evaluates. Shared by data-parallel coordinate: a
+        replica's tensor and pipeline peers evaluate the same samples."""
+        dims = parallel.layout(config, session)
+        rank, world = dims.dp_rank(session.rank), dims.dp
         if eval_data is None:
             return None
         every_steps, progress = config.training.eval_every_steps, timer.progress
         metrics = user_metrics or configured_metrics(config.training.eval_metrics)
         if is_stream(eval_data):  # each rank's share read whole (or capped) every evaluation: stream_eval.py
-            rank, world, device = session.rank, session.world_size, session.device
             stream = StreamEvalBatches(
-                eval_data, rank, world, config.data, device, collate_fn, config.training.eval_batches
+                eval_data, rank, world, config.data, session.device, collate_fn, config.training.eval_batches
             )
             return cls(stream, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
         if len(eval_data) == 0:  # nothing to evaluate: said, rather than eval lines with no metric on them
@@ -92,7 +94,7 @@ class Evaluator:
             return None
         cap = config.training.eval_batches * config.data.eval_batch_size
         eval_data = capped(eval_data, cap, config.run.seed) if cap else eval_data
-        batches = EvalBatches(eval_data, session.rank, session.world_size, config.data, session.device, collate_fn)
+        batches = EvalBatches(eval_data, rank, world, config.data, session.device, collate_fn)
         return cls(batches, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
 
     def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:

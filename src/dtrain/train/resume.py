@@ -48,14 +48,15 @@ class ResumePlan:
         # and config.toml says so, since its [model] and [data] do not describe them.
         self.described_by_config = False
 
-    def regroup(self, session: distributed.Session, global_order: bool) -> int:
+    def regroup(self, session: distributed.Session, global_order: bool, data_ranks: int) -> int:
         """Resuming a checkpoint written by another number of processes (a node lost for good, a job
         requeued on another allocation), or with another data.batch_size: the same global sample
         position and global batches, the accumulation changed to make them up (see
         checkpoint.state.regroup); on another number of processes only token data can, other data is
         refused. The accumulation this run uses (the config is left as it is); training.global_batch_size
-        first makes up the config's own for this world size."""
-        cfg = self.config = with_global_batch(self.config, session.world_size)
+        first makes up the config's own for this world size. `data_ranks`: the processes drawing distinct
+        samples (the data-parallel ones: every process but for tensor and pipeline parallel)."""
+        cfg = self.config = with_global_batch(self.config, data_ranks)
         self.grad_accum_steps = cfg.training.grad_accum_steps
 
         def decide() -> tuple[str, int, int] | None:
@@ -63,14 +64,14 @@ class ResumePlan:
             saved = resume_geometry(cfg.checkpoint, self.run_dir, fresh=fresh)
             if saved is None or not saved[2]:
                 return None
-            world, batch_size, accum = session.world_size, cfg.data.batch_size, cfg.training.grad_accum_steps
+            world, batch_size, accum = data_ranks, cfg.data.batch_size, cfg.training.grad_accum_steps
             stated = cfg.training.global_batch_size
             return saved[0], saved[1], regroup(*saved, world, batch_size, accum, global_order, stated)
 
         found = distributed.rank0_decides(decide, is_main=session.is_main)
         if found is not None and found[2] != cfg.training.grad_accum_steps:
             self.grad_accum_steps = found[2]
-            self.regrouped = self._regrouped_line(*found, session.world_size)
+            self.regrouped = self._regrouped_line(*found, data_ranks)
         return self.grad_accum_steps
 
     def followed(self, config: Config) -> Config:

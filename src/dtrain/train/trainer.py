@@ -141,20 +141,21 @@ class Trainer:
             raise
 
     def _build(self, session: distributed.Session) -> None:
-        cfg, device, rank, world = self.config, session.device, session.rank, session.world_size
+        cfg, device, dims = self.config, session.device, parallel.layout(self.config, session)
+        rank, dp = dims.dp_rank(session.rank), dims.dp  # a replica's tensor and pipeline peers share samples
         advice.check_trainable(self.module)
         self.precision = precision_for(cfg.training.precision, device, cfg.training.tf32)
         global_order = data.keeps_global_order(self.train_data, cfg.data.sampling)
-        self.grad_accum_steps = accum = self.plan.regroup(session, global_order)
+        self.grad_accum_steps = accum = self.plan.regroup(session, global_order, dp)
         self.config = cfg = self.plan.followed(cfg)  # after a regroup a copy: the caller's config stays as given
-        made = data.train_batches(self.train_data, cfg, rank, world, accum, global_order, device, self.collate_fn)
+        made = data.train_batches(self.train_data, cfg, rank, dp, accum, global_order, device, self.collate_fn)
         self.train_batches = batches = made  # a map-style set's shard, or an iterable set's share (streams.py)
         self.module = lora.prepare(cfg, self.module, session.is_main)  # LoRA: base weights read, adapters in
         parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
-        skips = self.precision.scaler.is_enabled()
-        self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, self.loss_of, skips)
-        self.strategy = parallel.build(cfg, session, self.module, self.timer)
+        skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
+        self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dp)
+        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model = self.strategy.model
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
@@ -166,14 +167,15 @@ class Trainer:
     def _resume(self, session: distributed.Session, claim: RunDirClaim) -> None:
         """Claim run.dir, resume from its newest checkpoint (if any), and start the run's outputs."""
         assert self.optimizer and self.scheduler and self.precision and self.metrics and self.train_batches
-        cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps
+        cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps  # per data rank
+        dp = self.metrics.data_ranks  # the processes drawing distinct samples (tensor, pipeline peers share)
         self.stop_request.install()  # from here a SIGTERM must not end the process mid-write
         claim.take(self.module, self.stop_request.lose_run_dir)  # the lease on a store lost: the run stops
         held = (self.module, self.optimizer, self.scheduler, self.precision.scaler, session.rank, session.world_size)
         per_epoch, total = self.train_batches.steps_per_epoch, self.total_steps
         identity, spread = resume.identity(cfg, data.samples_in(self.train_data)), resume.spread(cfg)
         plan, extra = resume.plan(cfg, total, per_epoch), {**self.checkpoint_parts, **self.train_batches.parts()}
-        parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan)
+        parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan, data_ranks=dp)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
         resume_from = self.checkpointer.find_resume_point()
         claim.fresh = resume_from is None  # what run.dir holds from here on is this run's own
