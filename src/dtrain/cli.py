@@ -6,7 +6,7 @@
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
-    dtrain doctor [--nproc N ...]                     environment report; all-reduce bandwidth test
+    dtrain doctor [--nproc N ...]                     environment report; collectives' bandwidth
     dtrain report RUN_DIR                             plots and a summary of a run
     dtrain prepare text SRC... --out DIR              text files → token shards (data.name=tokens)
     dtrain generate RUN_DIR --prompt TEXT             a sample from a trained language model
@@ -240,23 +240,26 @@ def cmd_doctor(argv: Sequence[str]) -> int:
     parser = _Parser(
         prog="dtrain doctor",
         description="Report this machine's distributed set-up and what looks wrong; "
-        "with --nproc, measure a real all-reduce across the group (1 KiB to 256 MiB).",
+        "with --nproc, measure real all-reduce, all-gather and reduce-scatter across the group "
+        "(1 KiB to 256 MiB).",
     )
     _add_launch_flags(parser)
-    parser.add_argument("--iters", type=int, default=3, help="timed all-reduces per size (default 3)")
+    parser.add_argument("--iters", type=int, default=3, help="timed rounds of each collective per size (default 3)")
+    parser.add_argument("--max-mib", type=int, default=256, help="largest buffer measured, in MiB (default 256)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from dtrain.commands import doctor
 
     if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:
-        return doctor.bandwidth_worker(args.iters)
+        return doctor.bandwidth_worker(args.iters, args.max_mib)
     status = doctor.main_report(args.nproc or 1)
     if not _explicit_launch(args):
         return status
     from dtrain.launch import launch
 
     print(flush=True)
-    return launch(_spec(args), ["-m", "dtrain", "doctor", "--worker", "--iters", str(args.iters)]) or status
+    worker = ["-m", "dtrain", "doctor", "--worker", "--iters", str(args.iters), "--max-mib", str(args.max_mib)]
+    return launch(_spec(args), worker) or status
 
 
 def cmd_report(argv: Sequence[str]) -> int:

@@ -1,7 +1,9 @@
 """Seeing inside a run: stragglers, hangs, misuse, OOM, profiles, doctor and report — real processes."""
 
 import json
+import math
 import pickle
+import re
 import shutil
 import struct
 import time
@@ -182,22 +184,48 @@ def test_doctor_reports_the_environment_and_what_looks_wrong():
         assert found.returncode == 1 and problem in found.stdout, found.stdout
 
 
-def test_doctor_measures_a_real_all_reduce_across_the_group():
-    # 3 processes: bus bandwidth is 4/3 of the algorithm's (at 2 it would equal it, proving nothing).
-    result = ok(dtrain("doctor", "--nproc", "3", "--iters", "1"))
-    rows = [
-        line.split()
-        for line in result.stdout.splitlines()
-        if line.strip() and line.strip()[0].isdigit() and ("KiB" in line or "MiB" in line)
-    ]
-    sizes = [f"{r[0]} {r[1]}" for r in rows]
-    assert sizes == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB", "256 MiB"]
-    for row in rows:
-        algbw, busbw = float(row[-2]), float(row[-1])
-        # nccl-tests' bus bandwidth; both printed to 3 decimals, so each carries up to 0.0005 of rounding
-        assert busbw == pytest.approx(algbw * 2 * (3 - 1) / 3, abs=0.0005 * 4 / 3 + 0.0005 + 1e-9)
-    assert float(rows[-1][-1]) > 0.01
-    assert "verdict: OK — results correct" in result.stdout
+def test_doctor_measures_real_all_reduce_all_gather_and_reduce_scatter_across_the_group():
+    """3 processes: each collective's bus bandwidth factor differs from 1 (all-reduce 4/3, all-gather and
+    reduce-scatter 2/3; at 2 the all-reduce's would equal its algbw, proving nothing). Up to 16 MiB, to be quick."""
+    result = ok(dtrain("doctor", "--nproc", "3", "--iters", "1", "--max-mib", "16"))
+    out = result.stdout
+    tables = {}
+    for name, calls, factor in (
+        ("all-reduce", "all_reduce", 4 / 3),
+        ("all-gather", "all_gather_single|all_gather_into_tensor", 2 / 3),
+        ("reduce-scatter", "reduce_scatter_single|reduce_scatter_tensor", 2 / 3),
+    ):
+        header = re.search(rf"^{name} \(({calls})\), 3 processes, gloo:\n.*\n((?:\s+\d+ [KM]iB .*\n)+)", out, re.M)
+        assert header, out
+        rows = [line.split() for line in header.group(2).splitlines()]
+        assert [f"{r[0]} {r[1]}" for r in rows] == [
+            "1 KiB",
+            "4 KiB",
+            "16 KiB",
+            "64 KiB",
+            "256 KiB",
+            "1 MiB",
+            "4 MiB",
+            "16 MiB",
+        ]
+        for row in rows:
+            seconds = float(row[2]) * {"us": 1e-6, "ms": 1e-3}[row[3]]
+            algbw, busbw = float(row[-2]), float(row[-1])
+            assert 0 < seconds < math.inf and math.isfinite(algbw) and math.isfinite(busbw)
+            # nccl-tests' bus bandwidth; both printed to 3 decimals, so each carries up to 0.0005 of rounding
+            assert busbw == pytest.approx(algbw * factor, abs=0.0005 * factor + 0.0005 + 1e-9)
+        assert all(float(r[-1]) > 0 for r in rows[3:])  # 64 KiB and up: enough bytes to show
+        tables[name] = max(float(r[-1]) for r in rows)
+    verdict = re.search(
+        r"^verdict: OK — results correct; peak bus bandwidth ([\d.]+) GB/s \(.*; all-gather ([\d.]+), "
+        r"reduce-scatter ([\d.]+) GB/s\); small-message latency",
+        out,
+        re.M,
+    )
+    assert verdict, out
+    for name, peak in zip(tables, verdict.groups()):
+        assert float(peak) == pytest.approx(tables[name], abs=0.006)
+    assert "deprecated" not in result.stderr  # torch's newest names for the calls
 
 
 # --- report -------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """`dtrain doctor`: what this machine offers for distributed training, what looks wrong, and — with
-`--nproc` — how fast a real all-reduce across the group is.
+`--nproc` — how fast real collectives across the group are: the all-reduce DDP uses, the all-gather and
+reduce-scatter FSDP and tensor parallel use.
 
     dtrain doctor                                  environment report (exit 1 when something is wrong)
-    dtrain doctor --nproc 2                        all-reduce bandwidth, 1 KiB to 256 MiB, and a verdict
+    dtrain doctor --nproc 2                        bandwidth of each, 1 KiB to 256 MiB, and a verdict
+    dtrain doctor --nproc 2 --max-mib 4            the same up to 4 MiB: a quick look
     dtrain doctor --nnodes 2 --nproc 8 --rdzv-endpoint node0:29500    the same across machines
 """
 
@@ -157,13 +159,81 @@ def _env_problems(interfaces: dict[str, str], cores: int, backends: dict[str, bo
     return problems
 
 
-# --- the all-reduce test (runs in every worker) -----------------------------------------------------
+# --- the collectives test (runs in every worker) ---------------------------------------------------
 
 SIZES = [2**k for k in range(10, 29, 2)]  # 1 KiB, 4 KiB, ... 256 MiB
 
+# The collectives measured, with nccl-tests' bus-bandwidth factor: what each rank sends over the
+# slowest link per byte of the buffer. DDP all-reduces gradients; FSDP and tensor parallel all-gather
+# parameters (or activations) and reduce-scatter gradients. The size is the whole buffer: the gathered
+# tensor for all-gather, the tensor reduced for reduce-scatter (nccl-tests' convention). Torch's calls
+# by their newest names (torch 2.13 renamed the `_into_tensor`/`_tensor` pair), else the older ones.
+COLLECTIVES = {  # name: (torch calls, newest first; bus factor of n)
+    "all-reduce": (("all_reduce",), lambda n: 2 * (n - 1) / n),
+    "all-gather": (("all_gather_single", "all_gather_into_tensor"), lambda n: (n - 1) / n),
+    "reduce-scatter": (("reduce_scatter_single", "reduce_scatter_tensor"), lambda n: (n - 1) / n),
+}
 
-def bandwidth_worker(iters: int) -> int:
-    """In each worker: time all-reduces of every size, check their results, rank 0 prints the table."""
+
+def torch_call(name: str):
+    """The function of torch.distributed that does collective `name` in this torch."""
+    import torch.distributed as dist
+
+    return next(getattr(dist, call) for call in COLLECTIVES[name][0] if hasattr(dist, call))
+
+
+class Collective:
+    """One collective on one buffer size: `run()` once, `correct()` after it (rank r contributes r + 1)."""
+
+    def __init__(self, name: str, size: int, world: int, rank: int, device, fallback: bool = False) -> None:
+        import torch
+
+        self.name, self.world, self.fallback = name, world, fallback
+        count = -(-size // 4 // world) * world  # whole float32 elements, a multiple of the world size
+        self.bytes = count * 4
+        self.full = torch.full((count,), float(rank + 1), device=device)
+        self.part = torch.full((count // world,), float(rank + 1), device=device)
+
+    def run(self) -> None:
+        if self.name == "all-reduce" or self.fallback:  # the fallback: the whole sum, each rank keeping its part
+            torch_call("all-reduce")(self.full)
+        elif self.name == "all-gather":
+            torch_call("all-gather")(self.full, self.part)
+        else:
+            torch_call("reduce-scatter")(self.part, self.full)
+
+    def correct(self) -> bool:
+        import torch
+
+        total = self.world * (self.world + 1) / 2
+        if self.name == "all-gather":  # chunk k came from rank k
+            ranks = torch.arange(1, self.world + 1, dtype=self.full.dtype, device=self.full.device)
+            return bool(torch.all(self.full.view(self.world, -1) == ranks[:, None]))
+        if self.name == "all-reduce" or self.fallback:
+            return bool(torch.all(self.full == total))
+        return bool(torch.all(self.part == total))
+
+
+def reduce_scatter_supported(world: int, rank: int, device) -> bool:
+    """Whether this backend has a reduce-scatter into one tensor (gloo gained it late): tried once, on
+    every rank."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        probe = Collective("reduce-scatter", 4 * world, world, rank, device)
+        probe.run()
+        works = 1
+    except (RuntimeError, NotImplementedError, ValueError):
+        works = 0
+    agreed = torch.tensor([works], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # all ranks take the same op, or the next one hangs
+    return bool(agreed.item())
+
+
+def bandwidth_worker(iters: int, max_mib: int = 256) -> int:
+    """In each worker: time each collective at every size up to `max_mib` MiB, check their results, rank 0
+    prints the tables."""
     import torch
     import torch.distributed as dist
 
@@ -172,30 +242,37 @@ def bandwidth_worker(iters: int) -> int:
 
     session = distributed.start(DistributedConfig())
     try:
-        world = session.world_size
-        rows, correct = [], True
-        for size in SIZES:
-            tensor = torch.full((size // 4,), float(session.rank + 1), device=session.device)
-            dist.all_reduce(tensor)  # warms the connections up, and is checked
-            correct = correct and bool(torch.all(tensor == world * (world + 1) / 2))
-            # Back-to-back rounds, timed together, as nccl-tests does: one rank arriving late is
-            # amortised instead of counted as latency. Small messages get more rounds.
-            rounds = iters * (10 if size < 2**20 else 1)
-            distributed.barrier()
-            _sync(session.device)
-            start = time.perf_counter()
-            for _ in range(rounds):
-                dist.all_reduce(tensor)
-            _sync(session.device)
-            elapsed = (time.perf_counter() - start) / rounds
-            slowest = torch.tensor([elapsed], dtype=torch.float64, device=session.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
-            rows.append((size, slowest.item()))
-        ok = torch.tensor([1 if correct else 0], device=session.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        world, device = session.world_size, session.device
+        fallback = not reduce_scatter_supported(world, session.rank, device)
+        tables, correct = {}, []
+        for name in COLLECTIVES:
+            rows, ok = [], True
+            for size in [s for s in SIZES if s <= max_mib * 2**20] or SIZES[:1]:
+                op = Collective(name, size, world, session.rank, device, fallback=fallback)
+                op.run()  # warms the connections up, and is checked
+                ok = ok and op.correct()
+                # Back-to-back rounds, timed together, as nccl-tests does: one rank arriving late is
+                # amortised instead of counted as latency. Small messages get more rounds.
+                rounds = iters * (10 if size < 2**20 else 1)
+                distributed.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    op.run()
+                _sync(device)
+                elapsed = (time.perf_counter() - start) / rounds
+                slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+                rows.append((size, op.bytes, slowest.item()))
+                del op  # the 256 MiB buffers of one size go before the next
+            tables[name] = rows
+            correct.append(1 if ok else 0)
+        agreed = torch.tensor(correct, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        wrong = [name for name, good in zip(COLLECTIVES, agreed.tolist()) if not good]
         if session.is_main:
-            print(bandwidth_table(rows, world, session.backend, bool(ok.item())), flush=True)
-        return 0 if ok.item() else 1
+            print(bandwidth_report(tables, world, session.backend, wrong, fallback), flush=True)
+        return 1 if wrong else 0
     finally:
         distributed.stop(session)
 
@@ -207,26 +284,38 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bandwidth_table(rows: list[tuple[int, float]], world: int, backend: str, correct: bool) -> str:
-    """The nccl-tests style table: algbw = bytes / time, busbw = algbw × 2(n−1)/n."""
-    factor = 2 * (world - 1) / world
+def bandwidth_table(name: str, rows: list[tuple[int, int, float]], world: int, backend: str, note: str = "") -> str:
+    """One collective in nccl-tests' columns: algbw = bytes / time, busbw = algbw × its factor."""
+    factor = COLLECTIVES[name][1](world)
     lines = [
-        f"all-reduce, {world} processes, {backend}:",
+        f"{name} ({note or torch_call(name).__name__}), {world} processes, {backend}:",
         f"{'size':>10} {'time':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}",
     ]
-    best = 0.0
-    for size, seconds in rows:
-        algbw = size / seconds / 1e9
-        best = max(best, algbw * factor)
+    for size, nbytes, seconds in rows:
+        algbw = nbytes / seconds / 1e9
         lines.append(f"{_human(size):>10} {_duration(seconds):>11} {algbw:>11.3f} {algbw * factor:>11.3f}")
-    small_latency = rows[0][1]
-    lines.append(verdict(best, small_latency, backend, correct))
     return "\n".join(lines)
 
 
-def verdict(busbw: float, latency_s: float, backend: str, correct: bool) -> str:
-    if not correct:
-        return "verdict: BROKEN — all-reduce results were wrong on some rank; check the network and drivers"
+def peak_busbw(name: str, rows: list[tuple[int, int, float]], world: int) -> float:
+    return max(nbytes / seconds / 1e9 for _, nbytes, seconds in rows) * COLLECTIVES[name][1](world)
+
+
+def bandwidth_report(
+    tables: dict[str, list[tuple[int, int, float]]], world: int, backend: str, wrong: list[str], fallback: bool
+) -> str:
+    """The three tables, then one verdict: the kind of link from the all-reduce, every peak beside it."""
+    notes = {"reduce-scatter": "no reduce-scatter on this backend: all_reduce timed instead"} if fallback else {}
+    parts = [bandwidth_table(name, rows, world, backend, notes.get(name, "")) for name, rows in tables.items()]
+    peaks = {name: peak_busbw(name, rows, world) for name, rows in tables.items()}
+    parts.append(verdict(peaks, tables["all-reduce"][0][2], backend, wrong))
+    return "\n".join(parts)
+
+
+def verdict(peaks: dict[str, float], latency_s: float, backend: str, wrong: list[str]) -> str:
+    if wrong:
+        return f"verdict: BROKEN — {', '.join(wrong)} results were wrong on some rank; check the network and drivers"
+    busbw = peaks["all-reduce"]
     if backend == "nccl":
         kind = (
             "NVLink-class"
@@ -237,8 +326,9 @@ def verdict(busbw: float, latency_s: float, backend: str, correct: bool) -> str:
         )
     else:
         kind = "shared-memory/loopback-class" if busbw > 2 else "TCP-class"
+    others = ", ".join(f"{name} {peak:.2f}" for name, peak in peaks.items() if name != "all-reduce")
     return (
-        f"verdict: OK — results correct; peak bus bandwidth {busbw:.2f} GB/s ({kind}); "
+        f"verdict: OK — results correct; peak bus bandwidth {busbw:.2f} GB/s ({kind}; {others} GB/s); "
         f"small-message latency {_duration(latency_s)}"
     )
 
