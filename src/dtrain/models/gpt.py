@@ -98,6 +98,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix embeds tokens and scores them
+        # Set by context parallel (parallel/context.py) for a step: the positions of this rank's part of
+        # each sequence, which are not 0..t-1 (torch balances the causal work by reordering chunks).
+        self.sequence_positions: torch.Tensor | None = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: residual projections scaled for depth
@@ -115,6 +118,7 @@ class GPT(nn.Module):
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size {self.block_size}")
         pos = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
+        pos = pos if self.sequence_positions is None else self.sequence_positions
         mask = None if position_ids is None else document_causal_mask(position_ids)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:

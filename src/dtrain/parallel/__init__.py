@@ -67,13 +67,20 @@ def build(
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
     dims = dims or layout(config, session)
+    strategy: Strategy
     if sharded:
         from dtrain.parallel.fsdp import FSDP
 
-        return FSDP(module, session, dims, config, units)
-    from dtrain.parallel.ddp import DDP
+        strategy = FSDP(module, session, dims, config, units)
+    else:
+        from dtrain.parallel.ddp import DDP
 
-    return DDP(module, session, dims, config.distributed, observer, breakdown=config.monitor.breakdown)
+        strategy = DDP(module, session, dims, config.distributed, observer, breakdown=config.monitor.breakdown)
+    if dims.cp > 1:  # sequences split over the "cp" processes; their gradients averaged with the data's
+        from dtrain.parallel.context import ContextParallel
+
+        strategy.sequence_split = ContextParallel(module, dims.world_mesh(session.device.type)["cp"])
+    return strategy
 
 
 def check_sharding(config: Config, world_size: int, local_world_size: int, device_type: str = "cpu") -> str | None:
@@ -89,7 +96,12 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
             f"distributed.cp_size = {dims.cp}: context parallel splits attention over CUDA GPUs "
             f"(torch's context_parallel has no rule for it on the {device_type}); set distributed.cp_size=1"
         )
-    for size, what in ((dims.tp, "tp_size"), (dims.pp, "pp_size"), (dims.cp, "cp_size")):
+    if dims.cp > 1 and config.data.packing:
+        return (
+            f"distributed.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
+            f"mask per document it cannot take; set data.packing=false or distributed.cp_size=1"
+        )
+    for size, what in ((dims.tp, "tp_size"), (dims.pp, "pp_size")):
         if size > 1:  # each lands with its own strategy
             return f"distributed.{what} = {size} is not supported yet; set distributed.{what}=1"
     if name not in SHARDED:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -31,6 +34,14 @@ class Strategy:
         self.module = module
         self.model: nn.Module = module
         self.dims = dims or ParallelDims()
+
+    # Context parallel (context.py), where distributed.cp_size > 1: what a step runs inside.
+    sequence_split: Any = None
+
+    def step_context(self, micro_batches: list[Any]) -> contextlib.AbstractContextManager:
+        """What the step's forward and backward passes (and its token count) run inside: each sequence
+        split over the context-parallel processes, attention as a ring (context.py); else nothing."""
+        return self.sequence_split.step(micro_batches) if self.sequence_split else contextlib.nullcontext()
 
     def sync_gradients(self, enabled: bool) -> None:
         """Whether the next backward averages gradients across processes (off on accumulation

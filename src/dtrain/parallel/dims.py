@@ -140,6 +140,12 @@ class ParallelDims:
         dimension of shards, or (replicate, shard) when there are copies too, the shard groups being
         consecutive data-parallel ranks (one node's, by default)."""
         mesh = self.world_mesh(device_type)
+        shard = "dp_shard"
+        if self.cp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
+            # The cp processes hold different tokens' gradients of the same samples: shards over them
+            # too, so the reduce-scatter averages both (torchtitan's dp_shard_cp).
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
         if self.dp_replicate > 1 and self.dp_shard > 1:
-            return mesh["dp_replicate", "dp_shard"]
-        return mesh["dp_shard" if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"]
+            return mesh["dp_replicate", shard]
+        return mesh[shard if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"]

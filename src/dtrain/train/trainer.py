@@ -298,15 +298,16 @@ class Trainer:
         model, optimizer, scaler, metrics = self.model, self.optimizer, self.precision.scaler, self.metrics
         # Each micro-batch's share of the step's loss (by target tokens across every rank for a token-mean
         # loss, else by samples), so the update equals one batch of all the step's samples.
-        shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
-        last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            # Gradients are averaged across processes on the last micro-batch only; the others add locally.
-            self.strategy.sync_gradients(i == last)
-            with self.precision.autocast():
-                loss = shares.loss(i, batch)
-            scaler.scale(loss).backward()
-            metrics.loss_sum += loss.detach()
+        with self.strategy.step_context(micro_batches):  # context parallel: the sequences split over ranks
+            shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
+            last = len(micro_batches) - 1
+            for i, batch in enumerate(micro_batches):
+                # Gradients are averaged across processes on the last micro-batch only; the others add locally.
+                self.strategy.sync_gradients(i == last)
+                with self.precision.autocast():
+                    loss = shares.loss(i, batch)
+                scaler.scale(loss).backward()
+                metrics.loss_sum += loss.detach()
         self.timer.backward_done()
         if metrics.after_backward(self.module):  # the first step's: its gradients measured once
             self.strategy.after_first_backward()
