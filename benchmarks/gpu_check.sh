@@ -9,7 +9,9 @@
 # state) with the optimizer's step where torch keeps it; nccl's flight recorder dumped; a 2-process job
 # on the same GPU over gloo (DDP with CUDA tensors) whose launcher holds no CUDA context; a forced hang
 # (the flight recorder dumped into diagnostics/); a real out-of-memory (the one-line advice); the W1
-# throughput benchmark; GPT-2 small in bf16 with torch.compile (tokens/s, MFU, peak memory). Each check is one row; the script exits 1 if any row failed. The in-process
+# throughput benchmark; GPT-2 small in bf16 with torch.compile (tokens/s, MFU, peak memory); on 2+ GPUs,
+# context parallel (cp 2, DDP and FSDP) against one process. Each check is one row; the script exits 1 if
+# any row failed. The in-process
 # checks live in benchmarks/gpu_checks.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,6 +152,33 @@ if timeout 240 "$PY" -m dtrain prepare text --python-stdlib --out "$WORK/stdlib"
     row "GPT-2 small, bf16, compile" ok "$detail; $(grep -o '^compiled.*' "$dir.log")"
 else
     row "GPT-2 small, bf16, compile" FAIL "$(tail -n 1 "$dir.log" 2>/dev/null || tail -n 1 "$dir.prep.log")"
+fi
+
+# 8. Context parallel (distributed.cp_size=2) on 2 GPUs: each sequence split over both, attention as
+#    torch's ring; per-step losses against one process on the same batches (fp32, no dropout), under
+#    DDP and FSDP. dtrain's only test of context parallel: torch has no CPU rule for ring attention.
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+    row "context parallel, cp 2" info "needs 2+ GPUs: not run (context parallel stays untested here)"
+else
+    [ -d "$WORK/stdlib" ] || timeout 240 "$PY" -m dtrain prepare text --python-stdlib --out "$WORK/stdlib" --workers 8 \
+        >"$WORK/cp.prep.log" 2>&1
+    CP_JOB=(examples/gpt_stdlib.toml data.path="$WORK/stdlib" data.block_size=256 data.batch_size=4
+        "model.options={n_layer = 2, n_head = 4, n_embd = 128, dropout = 0.0}" training.precision=fp32
+        training.max_steps=20 training.log_every=1 training.eval_every=0 training.max_grad_norm=1.0)
+    LIMIT=300 dtrain run "${CP_JOB[@]}" --nproc 1 run.dir="$WORK/cp-one" >"$WORK/cp-one.log" 2>&1
+    for strategy in ddp fsdp; do
+        dir=$WORK/cp2-$strategy
+        if LIMIT=300 dtrain run "${CP_JOB[@]}" --nproc 2 distributed.cp_size=2 distributed.backend=nccl \
+                distributed.strategy=$strategy run.dir="$dir" >"$dir.log" 2>&1 && [ -f "$WORK/cp-one/metrics.jsonl" ]; then
+            worst=$(metric "$dir" "max(abs(a - b) / abs(b) for a, b in zip([m['loss'] for m in train], [json.loads(l)['loss'] for l in open('$WORK/cp-one/metrics.jsonl') if '\"loss\"' in l]))")
+            steps=$(metric "$dir" 'len(train)')
+            good=$("$PY" -c "print($steps == 20 and $worst < 2e-3)")
+            row "context parallel, cp 2, $strategy" "$([ "$good" = True ] && echo ok || echo FAIL)" \
+                "$steps steps; per-step loss within $(printf '%.1e' "$worst") (relative) of one process"
+        else
+            row "context parallel, cp 2, $strategy" FAIL "$(tail -n 1 "$dir.log" 2>/dev/null) $(tail -n 1 "$WORK/cp-one.log")"
+        fi
+    done
 fi
 
 echo

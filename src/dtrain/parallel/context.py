@@ -86,6 +86,7 @@ class ContextParallel:
     @contextlib.contextmanager
     def step(self, micro_batches: list[Any]) -> Iterator[None]:
         from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         buffers = [t for batch in micro_batches for t in sequence_tensors(batch)]
         if not buffers:
@@ -100,12 +101,18 @@ class ContextParallel:
             t.set_(t.contiguous().clone())  # type: ignore[call-overload]
         positions = torch.arange(length, device=buffers[0].device)
         setattr(self.module, POSITIONS, positions)
+        # Only these kernels have a ring rule: the math kernel would attend within each rank's chunk only,
+        # silently (torchtitan restricts them the same way).
+        ring_kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         try:
-            with context_parallel(
-                self.mesh,
-                buffers=[*buffers, positions],
-                buffer_seq_dims=[1] * len(buffers) + [0],
-                no_restore_buffers={positions},
+            with (
+                sdpa_kernel(ring_kernels),
+                context_parallel(
+                    self.mesh,
+                    buffers=[*buffers, positions],
+                    buffer_seq_dims=[1] * len(buffers) + [0],
+                    no_restore_buffers={positions},
+                ),
             ):
                 yield
         finally:
