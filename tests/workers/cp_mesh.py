@@ -15,6 +15,18 @@ found = {}
 dims = ParallelDims(dp_shard=1, cp=2)  # distributed.strategy=fsdp, cp_size=2 on 2 processes
 mesh = dims.dp_mesh("cpu")
 found["fsdp"] = {"names": list(mesh.mesh_dim_names), "size": mesh.size(), "cp": dims.world_mesh("cpu")["cp"].size()}
+# The check that the cp processes hold the same batches (context.py), on the cp dimension's group.
+import torch  # noqa: E402
+
+from dtrain.parallel.context import same_on_every_rank  # noqa: E402
+
+cp = dims.world_mesh("cpu")["cp"]
+window = torch.arange(12).view(2, 6)
+same = [window[:, :-1], window[:, 1:]]
+swapped = [window[:, 1:], window[:, :-1]] if rank else same  # the same numbers, in another order
+found["same"] = same_on_every_rank(same, cp)
+found["other"] = same_on_every_rank([window + rank, window], cp)
+found["swapped"] = same_on_every_rank(swapped, cp)
 if rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(found))
 dist.destroy_process_group()

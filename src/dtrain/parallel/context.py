@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,6 +71,20 @@ def check_length(length: int, cp: int) -> str | None:
     return None
 
 
+def same_on_every_rank(tensors: list[torch.Tensor], mesh: DeviceMesh) -> bool:
+    """Whether every process of `mesh` holds the same `tensors` (two checksums, compared by a MIN and a
+    MAX all-reduce over the mesh's group): the cp processes of a replica must split the same sequences."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)  # order counts too
+    sums = torch.stack([flat.sum(), (flat * weights).sum()])
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return bool(torch.equal(low, high))
+
+
 class ContextParallel:
     """Runs a step's micro-batches with their sequences split over the mesh `mesh` (the "cp" dimension)."""
 
@@ -82,6 +96,7 @@ class ContextParallel:
                 f"distributed.cp_size=1"
             )
         self.module, self.mesh = module, mesh
+        self.checked = False  # whether the cp processes were seen to hold the same batches (first step)
 
     @contextlib.contextmanager
     def step(self, micro_batches: list[Any]) -> Iterator[None]:
@@ -97,6 +112,13 @@ class ContextParallel:
         problem = check_length(length, self.mesh.size())
         if problem:
             raise ConfigError(problem)
+        if not self.checked:  # once: a data layer that gave them different samples trains on nonsense
+            if not same_on_every_rank(buffers, self.mesh):
+                raise DtrainError(
+                    "distributed.cp_size > 1: the processes of one context-parallel group drew different "
+                    "samples, and each must hold the same sequences to split them; set distributed.cp_size=1"
+                )
+            self.checked = True
         for t in buffers:  # own storage each: inputs and targets are often views of one window
             t.set_(t.contiguous().clone())  # type: ignore[call-overload]
         positions = torch.arange(length, device=buffers[0].device)
