@@ -300,10 +300,9 @@ class Trainer:
         # loss, else by samples), so the update equals one batch of all the step's samples.
         with self.strategy.step_context(micro_batches):  # context parallel: the sequences split over ranks
             shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
-            last = len(micro_batches) - 1
             for i, batch in enumerate(micro_batches):
                 # Gradients are averaged across processes on the last micro-batch only; the others add locally.
-                self.strategy.sync_gradients(i == last)
+                self.strategy.sync_gradients(i == len(micro_batches) - 1)
                 with self.precision.autocast():
                     loss = shares.loss(i, batch)
                 scaler.scale(loss).backward()
