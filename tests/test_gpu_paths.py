@@ -327,6 +327,12 @@ def test_out_of_memory_while_setting_up_gets_the_same_advice(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
+SPLITS = [  # the GPT has a tensor-parallel plan and blocks to stage
+    "distributed.tp_size=2 (each layer's weights split over 2 processes of a node)",
+    "distributed.pp_size=2 (the model's blocks split into 2 pipeline stages)",
+]
+
+
 @pytest.mark.parametrize(
     "strategy, offload, levers",
     [
@@ -336,10 +342,11 @@ def test_out_of_memory_while_setting_up_gets_the_same_advice(tmp_path):
             [
                 "distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)",
                 "training.activation_checkpointing=full",
+                *SPLITS,
             ],
         ),
-        ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true"]),
-        ("fsdp", True, ["training.activation_checkpointing=full"]),
+        ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true", *SPLITS]),
+        ("fsdp", True, ["training.activation_checkpointing=full", *SPLITS]),
     ],
 )
 def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, strategy, offload, levers):

@@ -81,6 +81,11 @@ def out_of_memory(
         levers.append("training.activation_checkpointing=full")
     if sharded and not cfg.distributed.fsdp_cpu_offload and device.type == "cuda":
         levers.append("distributed.fsdp_cpu_offload=true")
+    # Splitting the model itself, where it has the parts to split: a plan for its layers, blocks for stages.
+    if session.world_size > 1 and cfg.distributed.tp_size == 1 and has_tensor_plan(module):
+        levers.append("distributed.tp_size=2 (each layer's weights split over 2 processes of a node)")
+    if session.world_size > 1 and cfg.distributed.pp_size == 1 and has_blocks(module, cfg):
+        levers.append("distributed.pp_size=2 (the model's blocks split into 2 pipeline stages)")
     what = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
     return DtrainError(
         f"out of {what} {when} on rank {session.rank} with "
@@ -123,6 +128,17 @@ def finite(tensors: Iterable[torch.Tensor]) -> bool:
 
     checks = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors]
     return bool(torch.stack(checks).all()) if checks else True
+
+
+def has_tensor_plan(module: nn.Module) -> bool:
+    """Whether tensor parallel knows how to split `module`: the built-in GPT, or a Hugging Face model
+    whose class or config carries its own plan."""
+    from dtrain.models.gpt import GPT
+
+    config = getattr(module, "config", None)
+    return isinstance(module, GPT) or bool(
+        getattr(module, "_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    )
 
 
 def has_blocks(module: nn.Module, config: Config) -> bool:
