@@ -265,7 +265,7 @@ def test_report_plots_what_the_run_logged(slow_rank_run, tmp_path):
         assert png_size(out / f"{name}.png")[0] > 200
     summary = (out / "summary.txt").read_text()
     assert "stragglers seen: rank 1 on" in summary and "communication share:" in summary
-    assert "memory per rank (the most any of 2 holds): parameters " in summary
+    assert "memory per rank (dp 2; the most any of 2 holds): parameters " in summary  # with the layout
 
     # Different data, different pictures.
     other = tmp_path / "other"

@@ -59,7 +59,8 @@ def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
     # a replica's pipeline and tensor peers draw the same samples
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert dims.describe() == "pp 2 × dp 2 × tp 2"
-    assert ParallelDims(dp_replicate=2, dp_shard=2, tp=2).describe() == "dp 2×2 (replicate×shard) × tp 2"
+    assert ParallelDims(dp_replicate=2, dp_shard=2, tp=2).describe() == "dp 2 × fsdp 2 × tp 2"
+    assert ParallelDims(pp=2, tp=2).describe() == "pp 2 × dp 1 × tp 2"
 
 
 @pytest.mark.parametrize(

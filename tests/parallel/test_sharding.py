@@ -60,7 +60,9 @@ def test_each_rank_holds_half_the_parameters_and_optimizer_state(fsdp):
     for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         assert len(ddp[name]) == len(sharded[name]) == 2 and min(ddp[name]) > 0
         assert [s / d for s, d in zip(sharded[name], ddp[name])] == pytest.approx([0.5, 0.5], rel=0.05), name
-    assert re.search(r"memory per rank \(the most any of 2 holds\): parameters [0-9.]+ KiB, gradients", console, re.M)
+    assert re.search(
+        r"memory per rank \(fsdp 2; the most any of 2 holds\): parameters [0-9.]+ KiB, gradients", console, re.M
+    )
     assert results["units"] == 2  # the GPT's two blocks, then the root
     for held, whole in (results["param_bytes"], results["optimizer_bytes"]):
         assert whole > 0 and held == pytest.approx(whole / 2, rel=0.05)

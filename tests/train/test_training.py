@@ -192,6 +192,8 @@ def test_the_main_job(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= tags
+    layout = events.Tensors("run/layout/text_summary")  # how the processes split the job, as text, once
+    assert [e.tensor_proto.string_val for e in layout] == [[b"dp 2"]]
     assert [e.step for e in events.Scalars("train/loss")] == [m["step"] for m in lines]
     # The same values, not only the same steps (TensorBoard keeps float32).
     for tag, key, records in (

@@ -98,6 +98,8 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
         isinstance(v, list) and v and len(v) == ranks and all(_number(b) and 0 <= b < 2**60 for b in v) for v in sizes
     ):
         kept.update(zip(memory_fields, sizes))
+        if isinstance(record.get("layout"), str):  # how the processes split the job (pp 2 × dp 1 × tp 2)
+            kept["layout"] = record["layout"][:200]
     stragglers = record.get("stragglers")
     if isinstance(stragglers, list) and all(
         isinstance(s, dict) and isinstance(s.get("rank"), int) and isinstance(s.get("host"), str) for s in stragglers

@@ -71,8 +71,10 @@ def describe(record: dict, source: str | None = None) -> str:
 
     most = {name: max(record[name]) for name in FIELDS}
     ranks = len(record["param_bytes"])
+    layout = f"{record['layout']}; " if record.get("layout") else ""  # how the processes split the model
+    which = f" ({layout}the most any of {ranks} holds)" if ranks > 1 else ""
     return (
-        f"memory per rank{' (the most any of ' + str(ranks) + ' holds)' if ranks > 1 else ''}: parameters "
+        f"memory per rank{which}: parameters "
         f"{size(most['param_bytes'])}, gradients {size(most['grad_bytes'])}, optimizer state "
         f"{size(most['optimizer_bytes'])}; peak {size(most['peak_bytes'])}" + (f" ({source})" if source else "")
     )

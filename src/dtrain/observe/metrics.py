@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,15 @@ from dtrain.observe.perf import stragglers
 from dtrain.observe.steptime import PHASES, StepTimer
 
 
+class Layout(Protocol):
+    """How the processes split the job (parallel.ParallelDims): its data-parallel count, and in words."""
+
+    @property
+    def dp(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
 class StepMetrics:
     @classmethod
     def for_run(
@@ -40,7 +49,7 @@ class StepMetrics:
         batches: Batches,
         loss_of: Callable,
         count_skips: bool,
-        data_ranks: int = 0,
+        layout: Layout | None = None,
     ) -> StepMetrics:
         """The metrics of a run: FLOPs per sample counted (on the whole module: before it is sharded)
         where `monitor.flops` asks, or at "auto" where the device's peak is known (for MFU)."""
@@ -50,7 +59,10 @@ class StepMetrics:
         flops = perf.training_flops_per_sample(module, batches, loss_of) if counted else None
         hosts = distributed.hostnames()
         margin = monitor.straggler_margin
-        return cls(device, world_size, timer, hosts, flops, peak, margin, count_skips, data_ranks)
+        metrics = cls(device, world_size, timer, hosts, flops, peak, margin, count_skips, layout.dp if layout else 0)
+        # Said with the memory each rank holds: which dimensions the job splits it over.
+        metrics.layout = layout.describe() if layout and world_size > 1 else None
+        return metrics
 
     def __init__(
         self,
@@ -74,6 +86,7 @@ class StepMetrics:
         # The processes drawing distinct samples (0: all): a replica's tensor- and pipeline-parallel
         # processes see the same samples, which count once.
         self.data_ranks = data_ranks or world_size
+        self.layout: str | None = None
         self.timer = timer
         self.hosts = hosts
         self.flops_per_sample = flops_per_sample
@@ -225,6 +238,8 @@ class StepMetrics:
         stop = any(r[_STOP] > 0 for r in rows)
         if all(r[_MEASURED] for r in rows):  # once: the first log step after each rank measured its own
             record.update({name: [int(r[_MEMORY0 + i]) for r in rows] for i, name in enumerate(memory_fields)})
+            if self.layout:
+                record["layout"] = self.layout
             self.held = self.peak = None
         if phases is not None:
             record.update(self._breakdown(rows, timed_steps))

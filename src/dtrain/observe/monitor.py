@@ -134,6 +134,8 @@ class Monitor:
         for name in memory_fields:  # once, at the first log step
             for rank, size in enumerate(record.get(name, [])):
                 writer.add_scalar(f"memory/{name}/rank{rank}", size, step)
+        if isinstance(record.get("layout"), str):  # how the processes split the job: with the memory it holds
+            writer.add_text("run/layout", record["layout"], step)
         for rank, ms in enumerate(record.get("rank_busy_ms", [])):
             writer.add_scalar(f"ranks/busy_ms/rank{rank}", ms, step)
 

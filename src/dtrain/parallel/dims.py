@@ -112,12 +112,12 @@ class ParallelDims:
         return at["dp_replicate"] * self.dp_shard + at["dp_shard"]
 
     def describe(self) -> str:
-        """The layout in a few words, e.g. 'pp 2 × dp 1 × tp 2' (only the dimensions in use, dp always)."""
+        """The layout in a few words, e.g. 'pp 2 × dp 1 × tp 2' or 'dp 2 × fsdp 4' (HSDP): the dimensions in
+        use, the data's always (dp: replicated, fsdp: sharded)."""
         parts = [f"pp {self.pp}"] if self.pp > 1 else []
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            parts.append(f"dp {self.dp_replicate}×{self.dp_shard} (replicate×shard)")
-        else:
-            parts.append(f"dp {self.dp}" + (" (shard)" if self.dp_shard > 1 else ""))
+        if self.dp_replicate > 1 or self.dp_shard == 1:
+            parts.append(f"dp {self.dp_replicate}")
+        parts += [f"fsdp {self.dp_shard}"] if self.dp_shard > 1 else []
         parts += [f"{name} {getattr(self, name)}" for name in ("cp", "tp") if getattr(self, name) > 1]
         return " × ".join(parts)
 

@@ -154,7 +154,7 @@ class Trainer:
         parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
-        self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dp)
+        self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dims)
         self.strategy = parallel.build(cfg, session, self.module, self.timer, dims)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model = self.strategy.model
