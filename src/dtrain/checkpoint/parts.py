@@ -131,7 +131,8 @@ class ModelPart(Part):
 
     def targets(self, saved: Saved) -> dict[str, Any]:
         state = self._state()
-        _check_model(saved, state)
+        # A pipeline stage holds part of the model: the checkpoint's other names are the other stages'.
+        _check_model(saved, state, getattr(self.module, "pipeline_whole_names", frozenset()))
         return state
 
     def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
@@ -139,7 +140,7 @@ class ModelPart(Part):
         set_model_state_dict(self.module, tensors, options=StateDictOptions(strict=False))
 
 
-def _check_model(saved: Saved, model_state: dict[str, Any]) -> None:
+def _check_model(saved: Saved, model_state: dict[str, Any], elsewhere: frozenset[str] = frozenset()) -> None:
     prefix = "model/" if saved.flat else "model."
     saved_model = {k[len(prefix) :]: item for k, item in saved.tensors.items() if k.startswith(prefix)}
     for key, tensor in model_state.items():
@@ -156,7 +157,7 @@ def _check_model(saved: Saved, model_state: dict[str, Any]) -> None:
                 f"model has {list(tensor.shape)}; resume with the model settings the "
                 f"checkpoint was trained with, or start a new run.dir"
             )
-    extra = sorted(set(saved_model) - set(model_state))
+    extra = sorted(set(saved_model) - set(model_state) - elsewhere)
     if extra:
         raise CheckpointError(
             f"checkpoint {saved.name} holds '{extra[0]}', which this run's model lacks; "

@@ -65,7 +65,11 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     data.check(config, dp)
     sample = data.sample_of(config)
     if sample is not None:  # a built-in data set: whether the model can be built for it is known now
-        models.check(config.model, *sample)
+        meta_model = models.check(config.model, *sample)
+        if meta_model is not None and config.distributed.pp_size > 1:  # enough blocks for the stages
+            from dtrain.parallel.pipeline import check_model
+
+            check_model(meta_model, config)
     n_train = data.size_hint(config)
     if n_train is not None:
         data.check_shardable(config, n_train, dp)

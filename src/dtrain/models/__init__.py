@@ -84,11 +84,12 @@ def gpt(
 BUILT_IN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
 
-def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
+def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
     """Refuse, before any worker starts, a built-in model that its options cannot build for data of this
     shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
     C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once; and
-    weights to start from whose names or shapes are not the model's (read from the files' headers)."""
+    weights to start from whose names or shapes are not the model's (read from the files' headers).
+    Returns the built-in model so built (None for others)."""
     if config.hf_folder is not None:
         from dtrain.models import hf
 
@@ -100,6 +101,8 @@ def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -
             from dtrain.checkpoint import init_from
 
             init_from.check_fit(model, init_from.resolve(*config.weights))
+        return model  # on the meta device: the launcher checks how it splits (pipeline parallel)
+    return None
 
 
 def check_weights(config: ModelConfig) -> None:

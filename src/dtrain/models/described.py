@@ -44,8 +44,8 @@ def _describe(module: nn.Module) -> dict[str, Any]:
             "n_layer": module.n_layer,
             "n_head": module.n_head,
             "n_embd": module.n_embd,
-            "dropout": float(module.drop.p),
-            "bias": module.ln_f.bias is not None,
+            "dropout": float(module.dropout),
+            "bias": bool(module.bias),
         }
         return {"written_by": "dtrain", "kind": GPT, "options": options}
     if is_transformers_model(module):

@@ -91,6 +91,7 @@ class GPT(nn.Module):
         super().__init__()
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.dropout, self.bias = dropout, bias  # said in model.json: a pipeline stage may lack ln_f
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -117,13 +118,19 @@ class GPT(nn.Module):
         t = input_ids.shape[1]
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size {self.block_size}")
-        pos = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
-        pos = pos if self.sequence_positions is None else self.sequence_positions
         mask = None if position_ids is None else document_causal_mask(position_ids)
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))
+        # A pipeline stage (parallel/pipeline.py) holds some blocks and sets the parts it lacks to None:
+        # a stage after the first is handed the previous one's activations, and passes them through.
+        x = input_ids
+        if self.wte is not None:
+            pos = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
+            pos = pos if self.sequence_positions is None else self.sequence_positions
+            x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:
             x = block(x) if mask is None else block(x, mask)
-        return self.lm_head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.lm_head is None else self.lm_head(x)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding, as GPT-2 counts."""

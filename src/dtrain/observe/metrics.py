@@ -243,6 +243,8 @@ class StepMetrics:
             self.held = self.peak = None
         if phases is not None:
             record.update(self._breakdown(rows, timed_steps))
+        if self.timer.bubble is not None:  # a pipeline's idle share of a step, by its schedule
+            record["pp_bubble"] = self.timer.bubble
         self._windows += 1
         if self.flops_per_sample is not None:
             record["flops_per_sample"] = self.flops_per_sample

@@ -61,6 +61,7 @@ class StepTimer:
         # FSDP's gathers and reduce-scatters run inside forward and backward, overlapped with them:
         # nothing here can tell them from compute, so the breakdown leaves comm out rather than show 0.
         self.comm_inside_compute = False
+        self.bubble: float | None = None  # a pipeline's idle share of its latest step, in theory
 
     def _mark(self):
         if self.cuda:
@@ -118,6 +119,10 @@ class StepTimer:
     def awaiting_gradients(self) -> None:
         """Backward is over and the gradient all-reduce is what this rank waits for."""
         self.progress.at("gradient all-reduce")
+
+    def pipeline_bubble(self, fraction: float) -> None:
+        """The pipeline schedule's idle share of this step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1)."""
+        self.bubble = fraction
 
     def sample_comm_from(self, source: Callable[[], float | None]) -> None:
         """Take the communication time from `source` (seconds per step) where no hook reports it."""

@@ -63,6 +63,10 @@ def build(
         raise ConfigError(problem)
     sharded = shards_state(config)
     deferred.check(module, config, sharded=sharded and session.world_size > 1)
+    if config.distributed.pp_size > 1:  # split first: checkpointing and compile then wrap the stage's blocks
+        from dtrain.parallel.pipeline import Pipeline
+
+        return Pipeline(module, session, dims or layout(config, session), config, observer)
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
@@ -101,9 +105,11 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
             f"distributed.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
             f"mask per document it cannot take; set data.packing=false or distributed.cp_size=1"
         )
-    for size, what in ((dims.tp, "tp_size"), (dims.pp, "pp_size")):
+    for size, what in ((dims.tp, "tp_size"),):
         if size > 1:  # each lands with its own strategy
             return f"distributed.{what} = {size} is not supported yet; set distributed.{what}=1"
+    if dims.pp > 1:
+        return pipeline_problem(config, dims)
     if name not in SHARDED:
         return None
     if config.training.precision == "fp16":
@@ -115,5 +121,35 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
         return (
             f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
             f"reduces gradients itself: set distributed.comm_hook=none"
+        )
+    return None
+
+
+def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
+    """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
+    depth is checked where the model is known (pipeline.check_model)."""
+    dc, tc = config.distributed, config.training
+    if dims.dp > 1:
+        return (
+            f"distributed.pp_size = {dims.pp} on {dims.world_size} processes leaves {dims.dp} data-parallel "
+            f"copies of each stage, which dtrain does not build yet; run {dims.pp} processes"
+        )
+    if tc.grad_accum_steps < dims.pp:
+        return (
+            f"training.grad_accum_steps = {tc.grad_accum_steps}: the pipeline's micro-batches are the "
+            f"accumulation micro-batches and {dims.pp} stages need at least {dims.pp}; set "
+            f"training.grad_accum_steps >= {dims.pp}"
+        )
+    if dc.stages_per_rank > 1 and dc.pp_schedule != "interleaved_1f1b":
+        return (
+            f"distributed.pp_stages_per_rank = {dc.stages_per_rank} needs distributed.pp_schedule = "
+            f"'interleaved_1f1b' ('{dc.pp_schedule}' runs one stage per process); set one or the other"
+        )
+    if tc.precision == "fp16":
+        return "training.precision = 'fp16' is not supported with distributed.pp_size > 1; use training.precision=bf16"
+    if tc.compile == "model":
+        return (
+            "training.compile = 'model' compiles the whole forward, and a pipeline stage runs part of it; "
+            "use training.compile=blocks"
         )
     return None

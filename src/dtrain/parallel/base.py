@@ -43,6 +43,29 @@ class Strategy:
         split over the context-parallel processes, attention as a ring (context.py); else nothing."""
         return self.sequence_split.step(micro_batches) if self.sequence_split else contextlib.nullcontext()
 
+    # Whether this process computes the loss (every one, but a pipeline's stages before the last).
+    computes_loss = True
+
+    @property
+    def eval_module(self) -> nn.Module:
+        """What evaluation calls: the user's module (not DDP's wrapper: nothing to all-reduce)."""
+        return self.module
+
+    def forward_backward(self, micro_batches: list[Any], shares: Any, precision: Any) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches, each loss `shares.loss(i, batch)` (its share
+        of the step), under `precision` (autocast, gradient scaler); returns their sum, detached.
+        Gradients are averaged across processes on the last micro-batch only; the others add locally.
+        A pipeline (pipeline.py) runs its schedule instead."""
+        total = torch.zeros(())
+        last = len(micro_batches) - 1
+        for i, batch in enumerate(micro_batches):
+            self.sync_gradients(i == last)
+            with precision.autocast():
+                loss = shares.loss(i, batch)
+            precision.scaler.scale(loss).backward()
+            total = total.to(loss.device) + loss.detach()
+        return total
+
     def sync_gradients(self, enabled: bool) -> None:
         """Whether the next backward averages gradients across processes (off on accumulation
         micro-batches, which only add into the local gradients)."""

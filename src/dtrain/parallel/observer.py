@@ -22,3 +22,6 @@ class CommObserver(Protocol):
     def sample_comm_from(self, source: Callable[[], float | None]) -> None:
         """Where no hook of dtrain's times the communication: `source` reads the seconds per step
         the backward pass waited for it (None before any sample)."""
+
+    def pipeline_bubble(self, fraction: float) -> None:
+        """A pipeline's schedule leaves its stages idle for `fraction` of a step, in theory."""

@@ -22,13 +22,13 @@ from torch.utils.data import Subset, TensorDataset
 from dtrain import distributed, factory, parallel
 from dtrain.config import Config
 from dtrain.data import EvalBatches, TensorDict
-from dtrain.data.batch import IGNORE_INDEX, num_samples
+from dtrain.data.batch import IGNORE_INDEX, num_samples, split
 from dtrain.data.stream_eval import StreamEvalBatches
 from dtrain.data.streams import is_stream
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
 from dtrain.train.amp import Precision
-from dtrain.train.loss import LossOf, logits_of
+from dtrain.train.loss import LossOf, forward, logits_of
 from dtrain.train.whole_split import SplitOutputs, WholeSplit
 
 EvalMetrics = Callable[[Any, Any], Mapping[str, Any]] | WholeSplit
@@ -106,16 +106,23 @@ class Evaluator:
         return epoch_done and self.eval_every > 0 and epoch % self.eval_every == 0
 
     @torch.no_grad()
-    def evaluate(self, module: torch.nn.Module, forward_is_collective: bool, device: torch.device) -> dict[str, float]:
+    def evaluate(
+        self, module: torch.nn.Module, forward_is_collective: bool, device: torch.device, computes_loss: bool = True
+    ) -> dict[str, float]:
         """Run `module` (the user's own, not DDP's wrapper: no gradients, nothing to all-reduce) over this
         rank's eval batches; the metrics reduced over every rank (a collective). Under FSDP the forward
-        pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted."""
+        pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted.
+        A pipeline stage before the last (not `computes_loss`) only runs its forward, for the next stage."""
         batches = self.batches.evened() if forward_is_collective else ((batch, True) for batch in self.batches)
         was_training = module.training
         module.eval()
         sums = EvalSums(device, self.user_metrics, self.batches.interleaved)
         for batch, counted in batches:
             self.progress.at("evaluation")
+            if not computes_loss:
+                with self.precision.autocast():
+                    forward(module, split(batch)[0])
+                continue
             with self.precision.autocast():
                 loss, output, target = self.loss_of(module, batch)
             if counted:

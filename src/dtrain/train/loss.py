@@ -142,11 +142,14 @@ class LossOf:
                 loss = loss * (items / per_item)
         else:
             output = forward(model, inputs)
-            if self.loss_fn:
-                loss = self.loss_fn(output, target)
-            else:
-                loss = cross_entropy(output, target, per_item)
+            return self.from_output(output, target, per_item), output, target
         return _one_number(loss, "loss_fn" if self.loss_fn else "the loss"), output, target
+
+    def from_output(self, output: Any, target: Any, per_item: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of an `(inputs, target)` batch from the model's output (`loss_fn`, else cross-entropy):
+        what a pipeline's last stage computes, the model having run on other processes."""
+        loss = self.loss_fn(output, target) if self.loss_fn else cross_entropy(output, target, per_item)
+        return _one_number(loss, "loss_fn" if self.loss_fn else "the loss")
 
     def items(self, model: nn.Module, batch: Any) -> torch.Tensor | None:
         """How many target tokens the batch's loss is a mean over (on the device: no host sync), or None
@@ -232,6 +235,19 @@ class StepShares:
             self._pending = None
         # Divided by the tokens of every rank; DDP's (FSDP's) average over ranks is taken back here.
         return self.loss_of(self.model, batch, self.items)[0] * self.world_size
+
+    def of_output(self, index: int, output: Any, target: Any) -> torch.Tensor:
+        """As `loss`, from micro-batch `index`'s output and target (a pipeline's last stage: the model ran
+        over every stage). The pipeline peers of a data-parallel replica count the same tokens: summed
+        over every rank and multiplied by the world size, they weigh as over the replicas alone."""
+        if self.items is None:
+            n, n_step = self.sizes[index], sum(self.sizes)
+            loss = self.loss_of.from_output(output, target)
+            return loss if n == n_step else loss * (n / n_step)
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        return self.loss_of.from_output(output, target, self.items) * self.world_size
 
 
 def _one_number(loss: Any, source: str) -> torch.Tensor:

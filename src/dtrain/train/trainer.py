@@ -157,7 +157,7 @@ class Trainer:
         self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dims)
         self.strategy = parallel.build(cfg, session, self.module, self.timer, dims)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
-        self.model = self.strategy.model
+        self.model, self.module = self.strategy.model, self.strategy.module  # a pipeline: its stages' part
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
         self.optimizer, self.scheduler = optim.build(cfg, self.module, self.given_optim, device, self.total_steps)
         self.evaluator = Evaluator.of(
@@ -300,13 +300,8 @@ class Trainer:
         # loss, else by samples), so the update equals one batch of all the step's samples.
         with self.strategy.step_context(micro_batches):  # context parallel: the sequences split over ranks
             shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
-            for i, batch in enumerate(micro_batches):
-                # Gradients are averaged across processes on the last micro-batch only; the others add locally.
-                self.strategy.sync_gradients(i == len(micro_batches) - 1)
-                with self.precision.autocast():
-                    loss = shares.loss(i, batch)
-                scaler.scale(loss).backward()
-                metrics.loss_sum += loss.detach()
+            # Forward and backward over the micro-batches: one after another, or a pipeline's schedule.
+            metrics.loss_sum += self.strategy.forward_backward(micro_batches, shares, self.precision)
         self.timer.backward_done()
         if metrics.after_backward(self.module):  # the first step's: its gradients measured once
             self.strategy.after_first_backward()
@@ -336,7 +331,8 @@ class Trainer:
             return {}
         self.setup()
         assert self.evaluator and self.strategy and self.session
-        return self.evaluator.evaluate(self.module, self.strategy.forward_is_collective, self.session.device)
+        spread, device = self.strategy, self.session.device
+        return self.evaluator.evaluate(spread.eval_module, spread.forward_is_collective, device, spread.computes_loss)
 
     def _log_train(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """Gather the window from every rank (the only host sync) and log it. The same gather carries

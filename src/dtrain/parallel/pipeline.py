@@ -1,0 +1,401 @@
+"""Pipeline parallel (`torch.distributed.pipelining`): each process holds a run of the model's blocks.
+
+The model's blocks (blocks.py finds them; they must be the entries of one `nn.ModuleList`) are cut by
+count into `pp_size × stages_per_rank` stages; pipeline process p holds stages p, p + pp_size, ...
+(more than one only when interleaving). As torchtitan splits a model: a copy with the blocks of other
+stages deleted and the modules before the blocks (embeddings) kept on the first stage only, those after
+them (final norm, head) on the last only, the rest set to None. Every parameter keeps the whole model's
+name (`h.3.attn...` on the second stage), so state dicts and checkpoints read as the whole model's and
+resume under any layout. The model's forward must pass its input through a part that is None (the
+built-in GPT does: models/gpt.py).
+
+A step runs `distributed.pp_schedule` (gpipe, 1f1b, interleaved_1f1b) over the step's accumulation
+micro-batches: the first stage is fed the inputs, the last stage computes each micro-batch's share of
+the step's loss (the trainer's StepShares), so the update is one batch's of all the step's samples. A
+parameter tied across stages (the GPT's embedding and head) is a copy on each holder; their gradients
+are summed after backward, so the copies stay equal. Clipping takes the norm over every stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from dtrain.config import Config
+from dtrain.data.batch import split
+from dtrain.distributed import Session
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.parallel import blocks
+from dtrain.parallel.base import Strategy
+from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.observer import CommObserver
+
+SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_sizes(n_blocks: int, n_stages: int) -> list[int]:
+    """Blocks per stage, as even as counts allow (the first stages take one more)."""
+    base, extra = divmod(n_blocks, n_stages)
+    return [base + (1 if i < extra else 0) for i in range(n_stages)]
+
+
+def bubble(pp: int, micro_batches: int, per_rank: int = 1) -> float:
+    """The schedule's idle share of a step in theory: (p−1)/(v·m+p−1) (v = 1 for GPipe and 1F1B)."""
+    return (pp - 1) / (per_rank * micro_batches + pp - 1)
+
+
+def split_problem(n_blocks: int, pp: int, per_rank: int) -> str | None:
+    """Why `pp` processes of `per_rank` stages each cannot split `n_blocks` blocks, or None."""
+    stages = pp * per_rank
+    if stages <= n_blocks:
+        return None
+    fits = list(range(2, n_blocks // per_rank + 1))
+    made = f"distributed.pp_size = {pp}" + (f" × pp_stages_per_rank = {per_rank}" if per_rank > 1 else "")
+    would = f"use distributed.pp_size = {' or '.join(map(str, fits))}" if fits else "use distributed.pp_size = 1"
+    return f"{made} makes {stages} pipeline stages and the model has {n_blocks} blocks; {would}"
+
+
+def block_list(module: nn.Module, names: list[str]) -> tuple[str, nn.ModuleList]:
+    """The `nn.ModuleList` holding the model's blocks, by its name; refused in one line where none does."""
+    found = {id(b) for b in blocks.find_blocks(module, names)}
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and found and {id(b) for b in sub} == found:
+            return name, sub
+    raise ConfigError(
+        f"distributed.pp_size > 1 splits a model's blocks held in one nn.ModuleList, and "
+        f"{type(module).__name__}'s are not (name its block class in model.blocks); or set distributed.pp_size=1"
+    )
+
+
+def check_model(module: nn.Module, config: Config) -> None:
+    """Refuse, in one line, a model the pipeline cannot split as `distributed` says (the launcher asks, on
+    the model built on the meta device)."""
+    dc = config.distributed
+    if dc.pp_size <= 1:
+        return
+    _, listed = block_list(module, config.model.blocks)
+    problem = split_problem(len(listed), dc.pp_size, dc.stages_per_rank)
+    if problem:
+        raise ConfigError(problem)
+
+
+class KeptBlocks(nn.Module):
+    """A stage's blocks under their places in the whole model's list (`h.4`, not `h.0`): names, state
+    dicts and checkpoints stay the whole model's. Iterates its blocks as the list did."""
+
+    def __init__(self, kept: dict[int, nn.Module]):
+        super().__init__()
+        for index, block in kept.items():
+            self.add_module(str(index), block)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(cast(dict[str, nn.Module], self._modules).values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class _Layout:
+    """Which blocks and ends each stage holds, and which stages this pipeline process holds."""
+
+    def __init__(self, module: nn.Module, list_name: str, n_blocks: int, pp: int, pp_rank: int, per_rank: int):
+        self.path = list_name.split(".")
+        self.n_stages = pp * per_rank
+        sizes = stage_sizes(n_blocks, self.n_stages)
+        starts = [sum(sizes[:s]) for s in range(self.n_stages)]
+        self.blocks_of = [list(range(starts[s], starts[s] + sizes[s])) for s in range(self.n_stages)]
+        self.mine = [pp_rank + k * pp for k in range(per_rank)]  # this process's stages, in order
+        self.pp = pp
+        # The modules beside the blocks' list and beside each of its ancestors: before it, the first
+        # stage's (embeddings); after it, the last stage's (final norm, head).
+        self.before: list[str] = []
+        self.after: list[str] = []
+        node, prefix = module, ""
+        for part in self.path:
+            names = list(node._modules)
+            at = names.index(part)
+            self.before += [prefix + n for n in names[:at]]
+            self.after += [prefix + n for n in names[at + 1 :]]
+            node, prefix = cast(nn.Module, node._modules[part]), prefix + part + "."
+
+    def dropped(self, stages: list[int]) -> list[str]:
+        """The ends that `stages` together do not hold."""
+        return ([] if 0 in stages else self.before) + ([] if self.n_stages - 1 in stages else self.after)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy sharing every parameter, buffer and child, whose children can be swapped on their own."""
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    return twin
+
+
+def _set_none(root: nn.Module, fqn: str) -> None:
+    parent, _, leaf = fqn.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, None)
+
+
+def split_model(module: nn.Module, list_name: str, layout: _Layout) -> tuple[nn.Module, list[nn.Module]]:
+    """This process's part of `module` (one copy: the blocks of all its stages, the ends it holds, under
+    the whole model's names), and a view of it per stage (sharing its modules) that runs that stage."""
+    held = [i for s in layout.mine for i in layout.blocks_of[s]]
+    part = copy.deepcopy(module)
+    listed = cast(nn.ModuleList, part.get_submodule(list_name))
+    parent, _, leaf = list_name.rpartition(".")
+    setattr(part.get_submodule(parent) if parent else part, leaf, KeptBlocks({i: listed[i] for i in held}))
+    for fqn in layout.dropped(layout.mine):
+        _set_none(part, fqn)
+    views = []
+    for stage in layout.mine:
+        view = node = _shallow(part)
+        for name in layout.path[:-1]:
+            child = _shallow(cast(nn.Module, node._modules[name]))
+            node._modules[name], node = child, child
+        kept = cast(KeptBlocks, part.get_submodule(list_name))
+        node._modules[layout.path[-1]] = KeptBlocks({i: kept.get_submodule(str(i)) for i in layout.blocks_of[stage]})
+        for fqn in layout.dropped([stage]):
+            _set_none(view, fqn)
+        views.append(view)
+    return part, views
+
+
+class _Stages(nn.Module):
+    """What the trainer calls `model` under PP: this process's part (a child, so train()/eval() reach
+    every block), whose forward runs the stages forward only, one eval batch at a time: the first stage
+    takes the inputs, each passes its activations to the next (point to point), the last returns the
+    model's output (None on other processes)."""
+
+    def __init__(self, part: nn.Module, views: list[nn.Module], layout: _Layout, group: Any, ranks: list[int]):
+        super().__init__()
+        self.part = part
+        self._views, self._layout, self._group, self._ranks = views, layout, group, ranks
+
+    def train(self, mode: bool = True) -> _Stages:
+        super().train(mode)
+        for view in self._views:  # the views' own roots (shallow copies) follow too
+            view.train(mode)
+        return self
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        layout, x = self._layout, inputs
+        for view, stage in zip(self._views, layout.mine, strict=True):
+            if stage > 0:
+                x = _receive(self._ranks[(stage - 1) % layout.pp], x.device)
+            x = view(x)
+            if not isinstance(x, torch.Tensor):
+                raise DtrainError(
+                    f"pipeline stage {stage} returned {type(x).__name__}; a stage before the last must return "
+                    f"one tensor (its activations)"
+                )
+            if stage < layout.n_stages - 1:
+                _send(x, self._ranks[(stage + 1) % layout.pp])
+        return x if layout.n_stages - 1 in layout.mine else None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 8  # dimensions, dtype, up to 6 sizes
+
+
+def _send(x: torch.Tensor, to: int) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+    dist.send(header.to(x.device), dst=to)
+    dist.send(x.detach().contiguous(), dst=to)
+
+
+def _receive(source: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src=source)
+    dims, dtype = int(header[0]), _DTYPES[int(header[1])]
+    x = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src=source)
+    return x
+
+
+class Pipeline(Strategy):
+    """This process's stages of the model (`module`: one module under the whole model's names), run by
+    a pipelining schedule over each step's micro-batches."""
+
+    forward_is_collective = True  # a stage's forward waits for the previous stage's activations
+
+    def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, observer: CommObserver):
+        if dims.dp != 1:
+            raise ValueError(f"a pipeline with data parallel inside its stages is not built yet; got {dims}")
+        dc = config.distributed
+        mesh = dims.world_mesh(session.device.type)
+        self.group = mesh["pp"].get_group()
+        self.ranks = dist.get_process_group_ranks(self.group)
+        pp_rank = mesh["pp"].get_local_rank()
+        list_name, listed = block_list(module, config.model.blocks)
+        problem = split_problem(len(listed), dims.pp, dc.stages_per_rank)
+        if problem:
+            raise ConfigError(problem)
+        self.whole_names = list(module.state_dict())
+        self.layout = _Layout(module, list_name, len(listed), dims.pp, pp_rank, dc.stages_per_rank)
+        self._tied_groups = tied = _tied_names(module)
+        whole = dict(module.named_parameters(remove_duplicate=False))
+        # The shapes of each tied group, for a process that holds none of it.
+        self._tied_like = [(whole[names[0]].shape, whole[names[0]].dtype) for names in tied]
+        part, views = split_model(module, list_name, self.layout)
+        # Checkpointing and compiling block by block, on this process's blocks only (after the copy:
+        # they replace each block's forward in place).
+        blocks.apply_block_options(part, config, session.device, sharded=False, quiet=session.rank != 0)
+        self.first, self.last = 0 in self.layout.mine, self.layout.n_stages - 1 in self.layout.mine
+        super().__init__(part, dims)
+        # What checkpoints may hold beyond this stage's names: the rest of the whole model (parts.py).
+        part.pipeline_whole_names = frozenset(self.whole_names)  # type: ignore[assignment]
+        self.model = _Stages(part, views, self.layout, self.group, self.ranks)
+        self.stages = [
+            PipelineStage(view, stage, self.layout.n_stages, session.device, group=self.group)
+            for view, stage in zip(views, self.layout.mine, strict=True)
+        ]
+        self.schedule_name, self.per_rank = dc.pp_schedule, dc.stages_per_rank
+        self._schedules: dict[int, Any] = {}
+        self._shares: Any = None
+        self._loss_index = 0
+        self.observer = observer
+        self._tied, self._counted = self._share_tied(tied, part)
+
+    @property
+    def computes_loss(self) -> bool:  # type: ignore[override]
+        return self.last
+
+    @property
+    def eval_module(self) -> nn.Module:
+        return self.model
+
+    def _share_tied(self, tied: list[list[str]], part: nn.Module) -> tuple[list[tuple[int, nn.Parameter | None]], list]:
+        """The tied parameters held on several pipeline processes ((its group's index, this copy or None)),
+        and the parameters whose gradients this process counts in the global norm (a tied one once, by
+        the first process holding it)."""
+        present = dict(part.named_parameters(remove_duplicate=False))
+        mine = [next((present[n] for n in names if n in present), None) for names in tied]
+        holders: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(holders, [p is not None for p in mine], group=self.group)
+        pp_rank = self.layout.mine[0]
+        shared, not_counted = [], set()
+        for g, param in enumerate(mine):
+            held_by = [r for r in range(self.layout.pp) if holders[r][g]]
+            if len(held_by) > 1:
+                shared.append((g, param))
+                if param is not None and held_by[0] != pp_rank:
+                    not_counted.add(id(param))
+        counted = [p for p in part.parameters() if id(p) not in not_counted]
+        return shared, counted
+
+    def _schedule(self, micro_batches: int) -> Any:
+        if micro_batches not in self._schedules:
+            kind = SCHEDULES[self.schedule_name]
+            multi = self.schedule_name == "interleaved_1f1b"
+            self._schedules[micro_batches] = kind(
+                self.stages if multi else self.stages[0],
+                n_microbatches=micro_batches,
+                loss_fn=self._loss,
+                scale_grads=False,  # each micro-batch's loss is its share of the step already
+            )
+        return self._schedules[micro_batches]
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        index, self._loss_index = self._loss_index, self._loss_index + 1
+        return self._shares.of_output(index, output, target)
+
+    def forward_backward(self, micro_batches: list[Any], shares: Any, precision: Any) -> torch.Tensor:
+        inputs, targets = _stacked(micro_batches, shares)
+        self._shares, self._loss_index = shares, 0
+        self.observer.pipeline_bubble(bubble(self.layout.pp, len(micro_batches), self.per_rank))
+        losses: list[torch.Tensor] = []
+        with precision.autocast():
+            schedule = self._schedule(len(micro_batches))
+            args = (inputs,) if self.first else ()
+            schedule.step(*args, **({"target": targets, "losses": losses} if self.last else {}))
+        self._sum_tied_gradients()
+        device = inputs.device
+        total = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), device=device)
+        dist.all_reduce(total, group=self.group)  # every stage logs the last stage's loss
+        return total
+
+    def _sum_tied_gradients(self) -> None:
+        device = next(self.module.parameters()).device
+        for g, param in self._tied:
+            if param is None:  # a stage between the holders adds zeros: every process joins each all-reduce
+                shape, dtype = self._tied_like[g]
+                dist.all_reduce(torch.zeros(shape, dtype=dtype, device=device), group=self.group)
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad.detach() for p in self._counted if p.grad is not None]
+        device = next(self.module.parameters()).device
+        squares = torch.zeros((), device=device)
+        if grads:
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as nn.utils.clip_grad_norm_
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model on rank 0: each stage's tensors sent to it one at a time."""
+        state = {k: v.detach() for k, v in self.module.state_dict().items()}
+        listings: list[Any] = [None] * self.layout.pp
+        listing = [(k, tuple(v.shape), str(v.dtype)) for k, v in state.items()]
+        dist.all_gather_object(listings, listing, group=self.group)
+        here, main = self.layout.mine[0], dist.get_rank() == 0
+        full: dict[str, torch.Tensor] = {}
+        for owner, listing in enumerate(listings):
+            for name, shape, dtype in listing:
+                if name in full or (owner > 0 and any(name in {n for n, _, _ in listings[o]} for o in range(owner))):
+                    continue  # held by an earlier stage too (a tied copy): taken from there
+                if owner == here == 0:
+                    full[name] = state[name].cpu()
+                elif here == owner:
+                    dist.send(state[name].contiguous(), dst=self.ranks[0])
+                elif here == 0:
+                    full[name] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    dist.recv(full[name], src=self.ranks[owner])
+        if not main:
+            return None
+        for names in self._tied_groups:  # one tensor under every name, as the whole model's state dict has it
+            held = next((full[n] for n in names if n in full), None)
+            full.update(dict.fromkeys(names, held) if held is not None else {})
+        return {name: full[name] for name in self.whole_names if name in full}
+
+
+def _tied_names(module: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _stacked(micro_batches: list[Any], shares: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's micro-batches as one batch of inputs and one of targets (the schedule cuts it back)."""
+    pairs = [split(batch) for batch in micro_batches]
+    if getattr(shares.loss_of, "step_fn", None) is not None or not all(
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and not isinstance(b, dict)
+        for (x, y), b in zip(pairs, micro_batches, strict=True)
+    ):
+        raise DtrainError(
+            "distributed.pp_size > 1 feeds the first stage one tensor and gives the last stage the target: "
+            "batches must be (inputs, target) tensors, the loss cross-entropy or Trainer(loss_fn=...) "
+            "(no step_fn); or set distributed.pp_size=1"
+        )
+    sizes = {x.shape[0] for x, _ in pairs}
+    if len(sizes) > 1:
+        raise DtrainError(
+            f"distributed.pp_size > 1 needs micro-batches of one size and this step's hold {sorted(sizes)} "
+            f"samples; set data.drop_last=true"
+        )
+    return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
