@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -234,10 +234,13 @@ class OptimizerPart(Part):
                 f"{len(self.optimizer.param_groups)} (optimizer.groups, optimizer.no_decay or whether weight decay "
                 f"is 0 changed); resume with the groups it was written with, or start a new run.dir"
             )
-        for saved_group, live in zip(groups, self.optimizer.param_groups):
+        live_names = get_optimizer_state_dict(self.module, self.optimizer)["param_groups"]
+        for saved_group, live, named in zip(groups, self.optimizer.param_groups, live_names, strict=True):
             # How the optimizer computes is this run's choice (fused on CUDA, not on the CPU), not the
             # checkpoint's: a fused flag loaded onto the other path breaks GradScaler's hand-off.
             saved_group.update({key: live[key] for key in _IMPLEMENTATION if key in live})
+            # Its parameters are this process's: a pipeline stage holds other names than the writer's.
+            saved_group["params"] = cast(dict[str, Any], named)["params"]
         entries = {fqn: dict(values) for fqn, values in saved.trainer["optimizer"]["state"].items()}
         for fqn, values in tensors["state"].items():
             entries.setdefault(fqn, {}).update(values)
