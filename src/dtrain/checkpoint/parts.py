@@ -188,6 +188,7 @@ class OptimizerPart(Part):
         super().__init__("optimizer")
         self.module, self.optimizer = module, optimizer
         self.saved_any = True
+        self.renamed: dict[str, str] = {}  # the name a tied parameter's state was saved by: its name here
 
     def capture(self) -> tuple[dict[str, Any], Any]:
         untouched = not self.optimizer.state  # no update applied yet (fp16 may skip the first steps)
@@ -211,7 +212,16 @@ class OptimizerPart(Part):
         # that never had a gradient (unused, frozen in the user's step) has none in the checkpoint.
         held_state: dict[str, dict[str, torch.Tensor]] = {}
         live: dict[str, Any] = dict(get_optimizer_state_dict(self.module, self.optimizer))
+        # A tied parameter's state is saved under the name its writer held it by: a pipeline's last stage
+        # holds the GPT's head, a whole model the embedding it is tied to (pipeline_tied, parallel/pipeline.py).
+        tied: dict[str, list[str]] = getattr(self.module, "pipeline_tied", {})
+        self.renamed = {}
         for fqn, values in split_tensors(live["state"])[0].items():
+            for other in tied.get(fqn, []):
+                absent = not any(key(fqn, name) in saved.tensors for name in values)
+                if absent and any(key(other, name) in saved.tensors for name in values):
+                    self.renamed[other] = fqn
+                    fqn = other
             held = {name: tensor for name, tensor in values.items() if key(fqn, name) in saved.tensors}
             if held and len(held) < len(values):  # all of a parameter's state, or (never updated) none
                 missing = sorted(set(values) - set(held))[0]
@@ -243,7 +253,7 @@ class OptimizerPart(Part):
             saved_group["params"] = cast(dict[str, Any], named)["params"]
         entries = {fqn: dict(values) for fqn, values in saved.trainer["optimizer"]["state"].items()}
         for fqn, values in tensors["state"].items():
-            entries.setdefault(fqn, {}).update(values)
+            entries.setdefault(self.renamed.get(fqn, fqn), {}).update(values)
         # Not strict: a parameter that never had a gradient has no optimizer state to set.
         state: Any = {"state": entries, "param_groups": groups}
         set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(strict=False))

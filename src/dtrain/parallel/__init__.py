@@ -128,7 +128,7 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
 def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
     """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
     depth is checked where the model is known (pipeline.check_model)."""
-    dc, tc = config.distributed, config.training
+    tc = config.training
     if dims.dp > 1:
         return (
             f"distributed.pp_size = {dims.pp} on {dims.world_size} processes leaves {dims.dp} data-parallel "
@@ -139,11 +139,6 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
             f"training.grad_accum_steps = {tc.grad_accum_steps}: the pipeline's micro-batches are the "
             f"accumulation micro-batches and {dims.pp} stages need at least {dims.pp}; set "
             f"training.grad_accum_steps >= {dims.pp}"
-        )
-    if dc.stages_per_rank > 1 and dc.pp_schedule != "interleaved_1f1b":
-        return (
-            f"distributed.pp_stages_per_rank = {dc.stages_per_rank} needs distributed.pp_schedule = "
-            f"'interleaved_1f1b' ('{dc.pp_schedule}' runs one stage per process); set one or the other"
         )
     if tc.precision == "fp16":
         return "training.precision = 'fp16' is not supported with distributed.pp_size > 1; use training.precision=bf16"

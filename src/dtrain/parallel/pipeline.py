@@ -251,6 +251,8 @@ class Pipeline(Strategy):
         super().__init__(part, dims)
         # What checkpoints may hold beyond this stage's names: the rest of the whole model (parts.py).
         part.pipeline_whole_names = frozenset(self.whole_names)  # type: ignore[assignment]
+        # Each tied parameter's other names, under which a checkpoint may hold its optimizer state.
+        part.pipeline_tied = {n: [o for o in group if o != n] for group in tied for n in group}  # type: ignore[assignment]
         self.model = _Stages(part, views, self.layout, self.group, self.ranks)
         self.stages = [
             PipelineStage(view, stage, self.layout.n_stages, session.device, group=self.group)
