@@ -129,10 +129,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
     """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
     depth is checked where the model is known (pipeline.check_model)."""
     tc = config.training
-    if dims.dp > 1:
+    if dims.dp_shard > 1:
         return (
-            f"distributed.pp_size = {dims.pp} on {dims.world_size} processes leaves {dims.dp} data-parallel "
-            f"copies of each stage, which dtrain does not build yet; run {dims.pp} processes"
+            f"distributed.pp_size = {dims.pp} with distributed.strategy = '{config.distributed.strategy}': "
+            f"sharding inside pipeline stages is not built yet; use distributed.strategy=ddp (each stage "
+            f"replicated over the {dims.dp} data-parallel processes)"
         )
     if tc.grad_accum_steps < dims.pp:
         return (

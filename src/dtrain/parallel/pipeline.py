@@ -226,11 +226,13 @@ class Pipeline(Strategy):
     forward_is_collective = True  # a stage's forward waits for the previous stage's activations
 
     def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, observer: CommObserver):
-        if dims.dp != 1:
-            raise ValueError(f"a pipeline with data parallel inside its stages is not built yet; got {dims}")
+        if dims.dp_shard != 1:  # the factory's promise (pipeline_problem): stages are replicated, not sharded
+            raise ValueError(f"pipeline stages are replicated over the data-parallel processes; got {dims}")
         dc = config.distributed
         mesh = dims.world_mesh(session.device.type)
         self.group = mesh["pp"].get_group()
+        # The copies of this stage on the other data-parallel processes, whose gradients it averages with.
+        self.replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
         self.ranks = dist.get_process_group_ranks(self.group)
         pp_rank = mesh["pp"].get_local_rank()
         list_name, listed = block_list(module, config.model.blocks)
@@ -318,6 +320,7 @@ class Pipeline(Strategy):
             args = (inputs,) if self.first else ()
             schedule.step(*args, **({"target": targets, "losses": losses} if self.last else {}))
         self._sum_tied_gradients()
+        self._average_over_replicas()
         device = inputs.device
         total = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), device=device)
         dist.all_reduce(total, group=self.group)  # every stage logs the last stage's loss
@@ -333,6 +336,22 @@ class Pipeline(Strategy):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=self.group)
+
+    def _average_over_replicas(self) -> None:
+        """Data parallel across the pipelines: each stage's gradients averaged over its copies, in one
+        all-reduce of them all (as DDP would, once per step: the micro-batches only add locally)."""
+        if self.replicas is None:
+            return
+        params = list(self.module.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [cast(torch.Tensor, p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.replicas)
+        flat /= self.dims.dp_replicate
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad.detach() for p in self._counted if p.grad is not None]
