@@ -1,0 +1,154 @@
+"""Pipeline parallel (`distributed.pp_size = 2`): the built-in GPT's 4 blocks over 2 real processes on
+gloo, launched by the real CLI, against the same job on one process — per-step losses, eval loss and
+final weights within 1e-5 under each schedule, with accumulation (the pipeline's micro-batches) and
+clipping (by the norm over both stages); resume across layouts; the bubble; refusals in one line."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.checkpoint import CheckpointStore
+from helpers import (
+    ROOT,
+    TIMEOUT,
+    assert_weights_close,
+    dtrain,
+    env,
+    eval_lines,
+    gpt_on_tokens,
+    ok,
+    train_lines,
+    weights,
+)
+
+STEPS, ACCUM = 6, 2
+OPTIONS = "model.options={n_layer = 4, n_head = 2, n_embd = 32}"
+# Clipping bites on every step (the gradient norm is about 1): the norm over every stage must be right.
+SETTINGS = [
+    OPTIONS,
+    f"training.max_steps={STEPS}",
+    f"training.grad_accum_steps={ACCUM}",
+    "training.max_grad_norm=0.3",
+    "training.eval_every_steps=3",
+    "training.eval_batches=3",
+    "data.eval_batch_size=4",
+    "scheduler.warmup_steps=2",
+    "checkpoint.every_steps=3",
+]
+
+
+def job(tokens: Path, run_dir: Path, *args: str, nproc: int = 2, pp: int = 2, batch: int = 4) -> list[str]:
+    split = [f"distributed.pp_size={pp}"] if nproc > 1 else []
+    return [*gpt_on_tokens(tokens, run_dir, *SETTINGS, *split, *args, block=16, batch=batch), "--nproc", str(nproc)]
+
+
+@pytest.fixture(scope="module")
+def tokens(json_byte_tokens):
+    return json_byte_tokens
+
+
+@pytest.fixture(scope="module")
+def one_process(tokens, tmp_path_factory):
+    """The job on one process, start to finish: what every layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("pp-one") / "run"
+    ok(dtrain(*job(tokens, run_dir, nproc=1)))
+    return run_dir
+
+
+def assert_same_run(reference: Path, run_dir: Path, first_step: int = 1) -> None:
+    want = {m["step"]: m for m in train_lines(reference)}
+    got = train_lines(run_dir)
+    assert [m["step"] for m in got] == list(range(first_step, STEPS + 1))
+    for m in got:
+        assert m["loss"] == pytest.approx(want[m["step"]]["loss"], abs=1e-5), m["step"]
+        assert m["grad_norm"] == pytest.approx(want[m["step"]]["grad_norm"], rel=1e-5), m["step"]
+    evals = {m["step"]: m["eval_loss"] for m in eval_lines(reference)}
+    assert {m["step"]: m["eval_loss"] for m in eval_lines(run_dir)} == pytest.approx(
+        {s: v for s, v in evals.items() if s >= first_step}, abs=1e-5
+    )
+    assert_weights_close(weights(reference), weights(run_dir), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "schedule, bubble",
+    [("gpipe", 1 / (ACCUM + 1)), ("1f1b", 1 / (ACCUM + 1)), ("interleaved_1f1b", 1 / (2 * ACCUM + 1))],
+)
+def test_two_stages_train_as_one_process_under_each_schedule(one_process, tokens, tmp_path, schedule, bubble):
+    ok(dtrain(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
+    assert_same_run(one_process, tmp_path)
+    assert all(m["grad_norm"] > 0.3 for m in train_lines(one_process))  # clipped every step
+    # The schedule's idle share, (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), on every step line.
+    assert [m["pp_bubble"] for m in train_lines(tmp_path)] == [pytest.approx(bubble)] * STEPS
+    assert not any("pp_bubble" in m for m in train_lines(one_process))
+
+
+def test_a_pipeline_checkpoint_resumes_on_one_process_and_back(one_process, tokens, tmp_path):
+    """Stopped at step 3 under pp2, resumed on one process (and the other way round): the same run."""
+    ok(dtrain(*job(tokens, tmp_path / "a", "training.stop_at_step=3")))
+    resumed = ok(dtrain(*job(tokens, tmp_path / "a", nproc=1)))
+    assert "resumed from" in resumed.stderr
+    assert_same_run(one_process, tmp_path / "a")
+    ok(dtrain(*job(tokens, tmp_path / "b", "training.stop_at_step=3", nproc=1)))
+    ok(dtrain(*job(tokens, tmp_path / "b")))
+    assert_same_run(one_process, tmp_path / "b")
+
+
+def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(tokens, tmp_path):
+    """SIGTERM mid-run: one checkpoint, exit 75 (requeue me); the same command resumes and ends with the
+    very weights of the run never stopped."""
+    long = ["training.max_steps=60", "training.eval_every_steps=0", "checkpoint.every_steps=0"]
+    args, run_dir = job(tokens, tmp_path / "stopped", *long), tmp_path / "stopped"
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain", *args], cwd=ROOT, env=env(), stdout=pipe, stderr=pipe)
+    deadline = time.monotonic() + TIMEOUT
+    while not ((run_dir / "metrics.jsonl").exists() and len(train_lines(run_dir)) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would
+    err = proc.communicate(timeout=TIMEOUT)[1].decode()
+    assert proc.returncode == 75, err
+    (stopped,) = CheckpointStore(run_dir).complete()
+    assert 3 <= stopped.step < 60 and f"stopped by SIGTERM at step {stopped.step}" in err
+    assert f"resumed from {stopped.path}" in ok(dtrain(*args)).stderr
+    assert [m["step"] for m in train_lines(run_dir)] == list(range(1, 61))
+    ok(dtrain(*job(tokens, tmp_path / "whole", *long)))
+    assert_weights_close(weights(tmp_path / "whole"), weights(run_dir), atol=0, rtol=0)
+
+
+def test_two_pipelines_of_two_stages_train_as_one_process_of_both_batches(tokens, tmp_path):
+    """pp 2 × dp 2 (4 processes, each stage replicated over 2): one process with both replicas' samples."""
+    ok(dtrain(*job(tokens, tmp_path / "one", nproc=1, batch=8)))
+    ok(dtrain(*job(tokens, tmp_path / "pp2dp2", "distributed.pp_schedule=1f1b", nproc=4)))
+    assert_same_run(tmp_path / "one", tmp_path / "pp2dp2")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["distributed.pp_size=8", "training.grad_accum_steps=8"],
+            "distributed.pp_size = 8 makes 8 pipeline stages and the model has 4 blocks; use "
+            "distributed.pp_size = 2 or 3 or 4",
+        ),
+        (
+            ["training.grad_accum_steps=1"],
+            "training.grad_accum_steps = 1: the pipeline's micro-batches are the accumulation micro-batches "
+            "and 2 stages need at least 2; set training.grad_accum_steps >= 2",
+        ),
+        (
+            ["distributed.pp_schedule=1f1b", "distributed.pp_stages_per_rank=2"],
+            "distributed.pp_stages_per_rank = 2 needs distributed.pp_schedule = 'interleaved_1f1b' ('1f1b' "
+            "runs one stage per process); set it to 1",
+        ),
+    ],
+)
+def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(tokens, tmp_path, overrides, message):
+    pp = 8 if "distributed.pp_size=8" in overrides else 2
+    result = dtrain(*job(tokens, tmp_path, *overrides, nproc=pp, pp=pp))
+    assert result.returncode == 2, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]
+    assert not (tmp_path / "metrics.jsonl").exists()
