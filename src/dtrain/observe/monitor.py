@@ -36,6 +36,7 @@ TB_TAGS = {
     "compute_ms": "time/compute_ms",
     "comm_ms": "time/comm_ms",
     "optimizer_ms": "time/optimizer_ms",
+    "pp_bubble": "time/pp_bubble",  # the pipeline schedule's idle share of a step
     "mfu": "perf/mfu",
     "checkpoint_blocked_s": "checkpoint/blocked_s",  # how long training waited for the checkpoint
     "checkpoint_write_s": "checkpoint/write_s",  # from its write's start to its seal
@@ -173,6 +174,7 @@ CONSOLE_FORMATS = [
     ("samples_per_s", "{:,.0f} samples/s"),
     ("tokens_per_s", "{:,.0f} tokens/s"),
     ("step_ms", "step {:.1f} ms"),
+    ("pp_bubble", "pipeline bubble {:.0%}"),
     ("mfu", "MFU {:.1%}"),
     ("eval_loss", "eval_loss {:.4f}"),
     ("eval_accuracy", "eval_accuracy {:.2%}"),
