@@ -78,12 +78,13 @@ def assert_same_run(reference: Path, run_dir: Path, first_step: int = 1) -> None
     [("gpipe", 1 / (ACCUM + 1)), ("1f1b", 1 / (ACCUM + 1)), ("interleaved_1f1b", 1 / (2 * ACCUM + 1))],
 )
 def test_two_stages_train_as_one_process_under_each_schedule(one_process, tokens, tmp_path, schedule, bubble):
-    ok(dtrain(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
+    result = ok(dtrain(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
     assert_same_run(one_process, tmp_path)
     assert all(m["grad_norm"] > 0.3 for m in train_lines(one_process))  # clipped every step
     # The schedule's idle share, (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), on every step line.
     assert [m["pp_bubble"] for m in train_lines(tmp_path)] == [pytest.approx(bubble)] * STEPS
     assert not any("pp_bubble" in m for m in train_lines(one_process))
+    assert f"| pipeline bubble {bubble:.0%} |" in result.stdout + result.stderr
 
 
 def test_a_pipeline_checkpoint_resumes_on_one_process_and_back(one_process, tokens, tmp_path):
@@ -152,3 +153,29 @@ def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(token
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("pp, per_rank", [(2, 1), (2, 2), (3, 1)])
+def test_stages_keep_the_whole_model_s_names_and_chain_to_its_forward(pp, per_rank):
+    """Split in one process: every name of the whole model on exactly the stages that hold it (a tied
+    one on both ends), and the stages run one after another compute the whole model's logits."""
+    import torch
+
+    from dtrain.models.gpt import GPT
+    from dtrain.parallel.pipeline import _Layout, split_model
+
+    torch.manual_seed(0)
+    whole = GPT(50, 8, n_layer=4, n_head=2, n_embd=16)
+    parts = [split_model(whole, "h", _Layout(whole, "h", 4, pp, rank, per_rank)) for rank in range(pp)]
+    names = [set(part.state_dict()) for part, _ in parts]
+    assert set().union(*names) == set(whole.state_dict())
+    assert sum(len(n) for n in names) == len(whole.state_dict())  # each name once: wte first, lm_head last
+    assert "wte.weight" in names[0] and "lm_head.weight" in names[-1] and "ln_f.weight" not in names[0]
+    views = sorted((stage, view) for rank, (_, vs) in enumerate(parts) for stage, view in zip(
+        range(rank, pp * per_rank, pp), vs, strict=True))  # fmt: skip
+    x = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        out = x
+        for _, view in views:
+            out = view(out)
+        torch.testing.assert_close(out, whole(x), rtol=0, atol=0)
