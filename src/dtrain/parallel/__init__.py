@@ -143,6 +143,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
         )
     if tc.precision == "fp16":
         return "training.precision = 'fp16' is not supported with distributed.pp_size > 1; use training.precision=bf16"
+    if config.model.weights is not None:  # read into the whole model's names: each stage's, not built yet
+        return (
+            "distributed.pp_size > 1 with weights to start from (model.init_from, a Hugging Face folder) is "
+            "not supported yet; start the pipeline from a new model, or set distributed.pp_size=1"
+        )
     if tc.compile == "model":
         return (
             "training.compile = 'model' compiles the whole forward, and a pipeline stage runs part of it; "
