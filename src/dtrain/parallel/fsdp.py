@@ -16,7 +16,6 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config
 from dtrain.distributed import Session
@@ -25,6 +24,7 @@ from dtrain.parallel import deferred
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.blocks import check_unshared
 from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.dtensors import clip_grad_norm, gathered_state_dict
 
 
 class FSDP(Strategy):
@@ -71,23 +71,10 @@ class FSDP(Strategy):
         cast(FSDPModule, self.module).set_requires_gradient_sync(enabled)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return clip_grad_norm(self.module, max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Gathered one tensor at a time (a collective per tensor): the device never holds more than one
-        full parameter beyond its shards; rank 0 keeps each on the CPU. Tied parameters stay one tensor."""
-        main = self.mesh.get_rank() == 0
-        gathered: dict[tuple, torch.Tensor] = {}
-        full: dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict().items():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            same = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
-            if same not in gathered:  # state_dict() detaches: a tied parameter shows as two objects
-                tensor = value.full_tensor() if isinstance(value, DTensor) else value
-                gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
-            full[name] = gathered[same]
-        return full if main else None
+        return gathered_state_dict(self.module, self.mesh.get_rank() == 0)
 
 
 def _precision_policy(precision: str) -> MixedPrecisionPolicy:

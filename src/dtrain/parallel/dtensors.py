@@ -1,0 +1,30 @@
+"""What the strategies whose parameters are DTensors (FSDP's shards, tensor parallel's) share: the
+global gradient norm, and the whole weights gathered one tensor at a time."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global norm over every shard (DTensor gradients: torch reduces over their meshes), clipped."""
+    norm = nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def gathered_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights, gathered one tensor at a time (a collective per DTensor): a rank never
+    holds more than one full parameter beyond its shards; `main` keeps each on the CPU, the others
+    nothing (None). Tied parameters stay one tensor."""
+    gathered: dict[tuple, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict().items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        same = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
+        if same not in gathered:  # state_dict() detaches: a tied parameter shows as two objects
+            tensor = value.full_tensor() if isinstance(value, DTensor) else value
+            gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
+        full[name] = gathered[same]
+    return full if main else None
