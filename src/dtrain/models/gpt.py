@@ -13,7 +13,7 @@ device, and on GPUs it runs the memory-efficient kernel rather than flash, which
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        b, t, _ = x.shape
+        qkv = self.c_attn(x)
+        c = qkv.shape[-1] // 3  # n_embd; under tensor parallel the width of this rank's heads (gpt_tp.py)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in qkv.split(c, dim=2))
         p = self.dropout if self.training else 0.0
         # With a mask (packed documents) it holds the causal part too.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p)
@@ -131,6 +133,18 @@ class GPT(nn.Module):
         if self.ln_f is not None:
             x = self.ln_f(x)
         return x if self.lm_head is None else self.lm_head(x)
+
+    def tp_plan(self) -> dict[str, Any]:
+        """How tensor parallel splits this model (gpt_tp.py): module patterns → parallel styles."""
+        from dtrain.models import gpt_tp
+
+        return gpt_tp.plan(self)
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why `tp` processes cannot split this model, in one line, or None."""
+        from dtrain.models import gpt_tp
+
+        return gpt_tp.problem(self, tp)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding, as GPT-2 counts."""

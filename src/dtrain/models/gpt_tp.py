@@ -77,7 +77,8 @@ class LocalHeads(PrepareModuleInput):
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.n_head //= device_mesh.size()  # type: ignore[operator]
+        heads: int = module.n_head  # type: ignore[assignment]
+        setattr(module, "n_head", heads // device_mesh.size())  # noqa: B010 — an int on a Module
         return super()._apply(module, device_mesh)
 
 
@@ -110,7 +111,13 @@ class PositionsOfTheShard(ParallelStyle):
     positions (the sequence dimension, second from last, for position ids with or without a batch)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=_replicated, output_fn=_sequence_shard)
+        # torch types these hooks as returning None; what they return replaces the input and output
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=_replicated,  # type: ignore[arg-type]
+            output_fn=_sequence_shard,  # type: ignore[arg-type]
+        )
 
 
 def _replicated(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
