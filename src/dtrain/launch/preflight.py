@@ -65,11 +65,10 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     data.check(config, dp)
     sample = data.sample_of(config)
     if sample is not None:  # a built-in data set: whether the model can be built for it is known now
-        meta_model = models.check(config.model, *sample)
-        if meta_model is not None and config.distributed.pp_size > 1:  # enough blocks for the stages
-            from dtrain.parallel.pipeline import check_model
-
-            check_model(meta_model, config)
+        model = models.check(config.model, *sample)  # on the meta device: how the sizes split it, checked now
+        problem = parallel.model_problem(config, model) if model is not None else None
+        if problem:  # e.g. tensor parallel over more processes than the model has heads
+            raise ConfigError(problem)
     n_train = data.size_hint(config)
     if n_train is not None:
         data.check_shardable(config, n_train, dp)

@@ -88,8 +88,8 @@ def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -
     """Refuse, before any worker starts, a built-in model that its options cannot build for data of this
     shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
     C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once; and
-    weights to start from whose names or shapes are not the model's (read from the files' headers).
-    Returns the built-in model so built (None for others)."""
+    weights to start from whose names or shapes are not the model's (read from the files' headers). Returns
+    that model on the meta device (for the strategy's checks), or None for a model it does not build."""
     if config.hf_folder is not None:
         from dtrain.models import hf
 

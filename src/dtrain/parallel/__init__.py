@@ -4,6 +4,9 @@
     fsdp  parameters, gradients and optimizer state sharded over every process (fsdp.py, FSDP2)
     hsdp  sharded within a group of processes (a node), replicated across the groups (fsdp.py)
 
+`distributed.tp_size` splits each layer over that many processes first (tensor.py), FSDP then shards
+over the data dimensions; with `ddp` the tensor-parallel processes must be the whole world (one copy).
+
 The trainer asks a strategy for the model to call, to skip gradient sync on accumulation
 micro-batches, to clip by the global norm and for the full weights at the end; checkpoints read the
 module's own state dict (DTensor shards under FSDP), which torch.distributed.checkpoint writes as is.
@@ -13,6 +16,9 @@ observer of its communication (observer.py) that the step timer satisfies.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -54,10 +60,17 @@ def data_ranks(config: Config, world_size: int, local_world_size: int) -> int:
 
 
 def build(
-    config: Config, session: Session, module: nn.Module, observer: CommObserver, dims: ParallelDims | None = None
+    config: Config,
+    session: Session,
+    module: nn.Module,
+    observer: CommObserver,
+    dims: ParallelDims | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
-    device) as `distributed.strategy` says; `observer` (the step timer) hears of the gradient communication."""
+    device) as `distributed.strategy` and the sizes say; `observer` (the step timer) hears of the gradient
+    communication. In torchtitan's order: tensor parallel (by `tp_plan`, else the model's), then
+    activation checkpointing and compile per block, then FSDP over the data dimensions."""
     problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
     if problem:
         raise ConfigError(problem)
@@ -67,12 +80,21 @@ def build(
         from dtrain.parallel.pipeline import Pipeline
 
         return Pipeline(module, session, dims or layout(config, session), config, observer)
+    dims = dims or layout(config, session)
+    if dims.tp > 1:
+        from dtrain.parallel import tensor
+
+        tensor.parallelize(module, dims.world_mesh(session.device.type)["tp"], tp_plan)
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
-    dims = dims or layout(config, session)
     strategy: Strategy
-    if sharded:
+    if dims.tp > 1 and dims.dp == 1:  # no data-parallel copies: the shards are the whole spreading
+        from dtrain.parallel.tensor import TensorParallel
+
+        deferred.materialise(module, session.device)
+        strategy = TensorParallel(module, dims)
+    elif sharded:
         from dtrain.parallel.fsdp import FSDP
 
         strategy = FSDP(module, session, dims, config, units)
@@ -85,6 +107,18 @@ def build(
 
         strategy.sequence_split = ContextParallel(module, dims.world_mesh(session.device.type)["cp"])
     return strategy
+
+
+def model_problem(config: Config, module: nn.Module, tp_plan: Mapping[str, Any] | None = None) -> str | None:
+    """What the sizes cannot split `module` into (it may be on the meta device: the launcher checks the
+    built-in models so, before any worker starts), or None."""
+    from dtrain.parallel import tensor
+
+    if config.distributed.pp_size > 1:  # enough blocks for the stages (raises)
+        from dtrain.parallel.pipeline import check_model
+
+        check_model(module, config)
+    return tensor.problem(module, config.distributed.tp_size, tp_plan)
 
 
 def check_sharding(config: Config, world_size: int, local_world_size: int, device_type: str = "cpu") -> str | None:
@@ -105,9 +139,17 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
             f"distributed.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
             f"mask per document it cannot take; set data.packing=false or distributed.cp_size=1"
         )
-    for size, what in ((dims.tp, "tp_size"),):
-        if size > 1:  # each lands with its own strategy
-            return f"distributed.{what} = {size} is not supported yet; set distributed.{what}=1"
+    if dims.tp > 1 and name == "ddp" and dims.dp > 1:
+        return (
+            f"distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = {dims.tp} "
+            f"splits it ({dims.dp} copies over {world_size} processes): DDP cannot average tensor-parallel "
+            f"shards; set distributed.strategy=fsdp (or hsdp) to spread the copies"
+        )
+    if dims.tp > 1 and config.training.precision == "fp16":
+        return (
+            f"training.precision = 'fp16' needs a gradient scaler that knows tensor-parallel shards "
+            f"(distributed.tp_size = {dims.tp}); use training.precision=bf16"
+        )
     if dims.pp > 1:
         return pipeline_problem(config, dims)
     if name not in SHARDED:
@@ -129,6 +171,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
     """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
     depth is checked where the model is known (pipeline.check_model)."""
     tc = config.training
+    if dims.tp > 1:
+        return (
+            f"distributed.pp_size = {dims.pp} with distributed.tp_size = {dims.tp}: tensor parallel inside "
+            f"pipeline stages is not built yet; set one of them to 1"
+        )
     if dims.dp_shard > 1:
         return (
             f"distributed.pp_size = {dims.pp} with distributed.strategy = '{config.distributed.strategy}': "
