@@ -9,9 +9,24 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """The global norm over every shard (DTensor gradients: torch reduces over their meshes), clipped."""
-    norm = nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """The global norm over every shard, clipped to `max_norm`; returned as a plain tensor. DTensor
+    gradients' norms are reduced over their meshes; plain ones (parameters a plan left whole, the same on
+    every rank of their group) count once. torch's own clip refuses the two mixed."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    groups = [
+        [p for p in params if isinstance(p.grad, DTensor)],
+        [p for p in params if not isinstance(p.grad, DTensor)],
+    ]
+    norms = []
+    for group in groups:
+        if group:
+            norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in groups:
+        if group:
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def gathered_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:

@@ -4,8 +4,8 @@ mesh (dims.py) by a plan, a dict of module-name patterns → torch's parallel st
 
     yours       `Trainer(..., tp_plan=...)`, for any model
     the model's a `tp_plan()` method (the built-in GPT's: models/gpt_tp.py)
-    Hugging Face the model's own (`base_model_tp_plan` of its config), applied by transformers: refused
-                here in one line, as its helpers need a CUDA-style device and run on none of ours
+    Hugging Face the model's own (`base_model_tp_plan` of its config), applied by transformers' own
+                helper (`apply_tensor_parallelism`)
 
 The strategy layer applies it first, before activation checkpointing and compile per block, then FSDP
 over the data dimensions (torchtitan's order). Parameters become DTensors on the tensor-parallel mesh
@@ -35,18 +35,27 @@ HOW = (
 
 
 def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None) -> str | None:
-    """Why `module` cannot be split over `tp` processes (no plan; sizes the model's plan cannot split), or None."""
-    if tp == 1:
+    """Why `module` cannot be split over `tp` processes (no plan; sizes its plan cannot split), or None."""
+    if tp == 1 or plan is not None:
         return None
-    if plan is None and not callable(getattr(module, "tp_plan", None)):
-        if _hf_plan(module):
-            return (
-                f"{type(module).__name__} has a tensor-parallel plan of its own (base_model_tp_plan), which "
-                f"transformers applies only on its own devices; {HOW}"
-            )
+    if callable(getattr(module, "tp_plan", None)):
+        check = getattr(module, "tp_problem", None)
+        return check(tp) if callable(check) else None
+    hf = _hf_model(module)
+    if hf is None:
         return f"{type(module).__name__} has no tensor-parallel plan (distributed.tp_size = {tp}); {HOW}"
-    check = getattr(module, "tp_problem", None)
-    return check(tp) if plan is None and callable(check) else None
+    config = hf.config
+    heads = {k: getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
+    uneven = {k: v for k, v in heads.items() if isinstance(v, int) and v % tp}
+    if uneven:
+        counts = [v for v in heads.values() if isinstance(v, int)]
+        fits = [d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)]
+        named = ", ".join(f"{k} = {v}" for k, v in uneven.items())
+        return (
+            f"distributed.tp_size = {tp} must divide the model's heads ({named}), each rank holding whole "
+            f"heads; use distributed.tp_size in {fits}"
+        )
+    return None
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any] | None = None) -> None:
@@ -55,11 +64,18 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any] | N
     found = problem(module, mesh.size(), plan)
     if found:
         raise ConfigError(found)
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    chosen = dict(plan) if plan is not None else module.tp_plan()  # type: ignore[operator]
     tied = _tied_names(module)
-    parallelize_module(module, mesh, chosen)
+    hf = _hf_model(module) if plan is None and not callable(getattr(module, "tp_plan", None)) else None
+    if hf is not None:  # its plan names its own modules, by style names transformers knows
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        expanded = hf._expand_parallel_plan(dict(hf.tp_plan))  # type: ignore[operator, arg-type]
+        apply_tensor_parallelism(hf, mesh, expanded)
+    else:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        chosen = dict(plan) if plan is not None else module.tp_plan()  # type: ignore[operator]
+        parallelize_module(module, mesh, chosen)
     for names in tied:
         _tie(module, names)
 
@@ -84,11 +100,12 @@ class TensorParallel(Strategy):
         return gathered_state_dict(self.module, torch.distributed.get_rank() == 0)
 
 
-def _hf_plan(module: nn.Module) -> bool:
-    return any(
-        getattr(m, "_tp_plan", None) or getattr(getattr(m, "config", None), "base_model_tp_plan", None)
-        for m in module.modules()
-    )
+def _hf_model(module: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face model in `module` (itself, or one it wraps) with a tensor-parallel plan."""
+    for sub in module.modules():
+        if getattr(sub, "tp_plan", None) and callable(getattr(sub, "_expand_parallel_plan", None)):
+            return sub
+    return None
 
 
 def _tied_names(module: nn.Module) -> list[list[str]]:
