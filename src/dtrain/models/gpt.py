@@ -140,11 +140,11 @@ class GPT(nn.Module):
 
         return gpt_tp.plan(self)
 
-    def tp_problem(self, tp: int) -> str | None:
-        """Why `tp` processes cannot split this model, in one line, or None."""
+    def tp_problem(self, tp: int, window: int | None = None) -> str | None:
+        """Why `tp` processes cannot split this model (on windows of `window` tokens), in one line, or None."""
         from dtrain.models import gpt_tp
 
-        return gpt_tp.problem(self, tp)
+        return gpt_tp.problem(self, tp, window)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding, as GPT-2 counts."""

@@ -29,6 +29,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from dtrain.errors import ConfigError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,11 +57,12 @@ def plan(model: GPT) -> dict[str, ParallelStyle]:
     }
 
 
-def problem(model: GPT, tp: int) -> str | None:
-    """Why the GPT cannot be split over `tp` processes (heads, width), in one line naming what would, or None."""
+def problem(model: GPT, tp: int, window: int | None = None) -> str | None:
+    """Why the GPT cannot be split over `tp` processes (heads, width; windows of `window` tokens, which
+    sequence parallel splits evenly), in one line naming what would, or None."""
     n_head, n_embd = model.n_head, model.n_embd
     if n_head % tp == 0 and n_embd % tp == 0:
-        return None
+        return None if window is None or window % tp == 0 else _uneven(window, tp)
     fits = [d for d in range(1, n_head + 1) if n_head % d == 0 and n_embd % d == 0]
     return (
         f"distributed.tp_size = {tp} must divide the GPT's heads (model.options.n_head = {n_head}) and width "
@@ -120,7 +123,19 @@ class PositionsOfTheShard(ParallelStyle):
         )
 
 
+def _uneven(window: int, tp: int) -> str:
+    below = window - window % tp
+    return (
+        f"data.block_size = {window}: sequence parallel splits each window's positions evenly over "
+        f"distributed.tp_size = {tp}; use a multiple of {tp} ({below or tp} or {below + tp})"
+    )
+
+
 def _replicated(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    # The first module to see the positions: a window they do not split evenly over is refused here, in
+    # one line (gloo's uneven collectives would fail without saying why).
+    if inputs[0].shape[-1] % mesh.size():
+        raise ConfigError(_uneven(inputs[0].shape[-1], mesh.size()))
     return tuple(
         DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor) else x
         for x in inputs

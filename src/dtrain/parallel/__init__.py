@@ -118,7 +118,8 @@ def model_problem(config: Config, module: nn.Module, tp_plan: Mapping[str, Any] 
         from dtrain.parallel.pipeline import check_model
 
         check_model(module, config)
-    return tensor.problem(module, config.distributed.tp_size, tp_plan)
+    window = config.data.block_size if config.data.name == "tokens" else None  # what sequence parallel splits
+    return tensor.problem(module, config.distributed.tp_size, tp_plan, window)
 
 
 def check_sharding(config: Config, world_size: int, local_world_size: int, device_type: str = "cpu") -> str | None:

@@ -34,13 +34,14 @@ HOW = (
 )
 
 
-def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None) -> str | None:
-    """Why `module` cannot be split over `tp` processes (no plan; sizes its plan cannot split), or None."""
+def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None, window: int | None = None) -> str | None:
+    """Why `module` cannot be split over `tp` processes (no plan; sizes its plan cannot split, windows of
+    `window` tokens among them), or None."""
     if tp == 1 or plan is not None:
         return None
     if callable(getattr(module, "tp_plan", None)):
         check = getattr(module, "tp_problem", None)
-        return check(tp) if callable(check) else None
+        return check(tp, window) if callable(check) else None
     hf = _hf_model(module)
     if hf is None:
         return f"{type(module).__name__} has no tensor-parallel plan (distributed.tp_size = {tp}); {HOW}"
