@@ -6,6 +6,7 @@ Each answer is one line naming the settings that would help, only those that are
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -113,6 +114,13 @@ def diverged(what: str, step: int, config: Config, store: CheckpointStore) -> Dt
     return DtrainError(
         f"{what} by step {step}: training diverged and goes no further; try {' or '.join(levers)}: {again}"
     )
+
+
+def refuse_a_diverged_loss(loss: float, step: int, config: Config, store: CheckpointStore) -> None:
+    """Stop a run whose logged training loss is not finite (every rank has the same record: all stop
+    here together), saying the levers and the way back."""
+    if not math.isfinite(loss):
+        raise diverged(f"the training loss became {loss}", step, config, store)
 
 
 def refuse_a_diverged_state(module: nn.Module, step: int, config: Config, store: CheckpointStore) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -346,9 +345,7 @@ class Trainer:
         self.checkpointer.poll(self.step)  # a checkpoint written in the background, reported once sealed
         if "param_bytes" in record:
             self.monitor.info(memory.describe(record, memory.peak_bytes(self.session.device)[1]))
-        if not math.isfinite(record["loss"]):  # every rank has the same record: all stop here together
-            what, store = f"the training loss became {record['loss']}", self.checkpointer.store
-            raise advice.diverged(what, self.step, self.config, store)
+        advice.refuse_a_diverged_loss(record["loss"], self.step, self.config, self.checkpointer.store)
         return record, stop
 
     def _save_checkpoint(self, background: bool = False) -> None:
