@@ -55,9 +55,10 @@ class Trainer:
     `loss_fn(model(inputs), target)` for an `(inputs, target)` batch (default: cross-entropy) — see
     loss.py. `eval_metrics(output, batch)` returns more per-batch means, averaged over every eval sample
     exactly; `eval_metrics=dtrain.whole_split(fn)` scores `fn(predictions, targets)` of the whole split.
-    `optimizer`, `scheduler`: objects or factories, else the config's (optim.py). After `setup()`,
-    `strategy` spreads the model over the processes (`distributed.strategy`), `model` is what the step
-    calls (DDP's wrapper; FSDP's sharded module; the plain module at one process), `module` yours.
+    `optimizer`, `scheduler`: objects or factories, else the config's (optim.py); `tp_plan` splits the model
+    under `distributed.tp_size` (parallel/tensor.py). After `setup()`, `strategy` spreads the model over
+    the processes (`distributed.strategy`), `model` is what the step calls (DDP's wrapper; FSDP's sharded
+    module; the plain module at one process), `module` yours.
     """
 
     def __init__(
@@ -73,11 +74,12 @@ class Trainer:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         optimizer: optim.OptimizerArg | None = None,
         scheduler: optim.SchedulerArg | None = None,
+        tp_plan: Mapping[str, Any] | None = None,
     ):
         # A dict of tensors becomes a TensorDict; a DataLoader gives its data set and settings (data.given).
         given = data.as_given(config or Config(), train_data, eval_data, collate_fn, model)
         self.config, self.train_data, self.eval_data, collate_fn = given
-        self.module = model
+        self.module, self.tp_plan = model, tp_plan  # tensor parallel: module patterns → styles (parallel.tensor)
         self.loss_of, self.eval_metrics, self.collate_fn = LossOf(step_fn, loss_fn), eval_metrics, collate_fn
         self.session: distributed.Session | None = None
         self.model: nn.Module = model
@@ -154,7 +156,7 @@ class Trainer:
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
         self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dims)
-        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims)
+        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims, self.tp_plan)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model, self.module = self.strategy.model, self.strategy.module  # a pipeline: its stages' part
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
