@@ -1,0 +1,208 @@
+"""Tensor parallel (with sequence parallel) of the built-in GPT, alone and under FSDP, against one process:
+real processes on gloo, launched by `dtrain run` as a user launches them."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dtrain.checkpoint import CheckpointStore
+from helpers import (
+    ROOT,
+    TIMEOUT,
+    WORKERS,
+    assert_weights_close,
+    dtrain,
+    env,
+    eval_lines,
+    ok,
+    torchrun,
+    train_lines,
+    weights,
+)
+
+# Every layout takes global batches of 16 windows: 1 process × 4 × 4 micro-batches; tp2 (one data-parallel
+# replica) the same; fsdp2 × tp2 (2 replicas) × 2 micro-batches. Clipping bites (max_grad_norm 0.05).
+GPT = [
+    "examples/gpt_stdlib.toml",
+    "data.block_size=16",
+    "data.batch_size=4",
+    "training.max_steps=6",
+    "training.log_every=1",
+    "training.max_grad_norm=0.05",
+    "checkpoint.every_steps=3",
+    "scheduler.warmup_steps=2",
+    "model.options={n_layer = 2, n_head = 4, n_embd = 32}",
+    "data.eval_batch_size=16",
+]
+LAYOUTS = {
+    "one": ("1", "training.grad_accum_steps=4"),
+    "tp2": ("2", "training.grad_accum_steps=4", "distributed.tp_size=2"),
+    "fsdp2_tp2": ("4", "training.grad_accum_steps=2", "distributed.tp_size=2", "distributed.strategy=fsdp"),
+    "ddp2": ("2", "training.grad_accum_steps=2"),
+    "fsdp4": ("4", "training.grad_accum_steps=1", "distributed.strategy=fsdp"),
+}
+
+
+def launch(tokens, run_dir, layout, *extra):
+    nproc, *settings = LAYOUTS[layout]
+    return dtrain("run", *GPT, f"data.path={tokens}", "--nproc", nproc, f"run.dir={run_dir}", *settings, *extra)
+
+
+@pytest.fixture(scope="module")
+def runs(json_byte_tokens, tmp_path_factory):
+    """The job uninterrupted on one process, under tp2 and under fsdp2 × tp2 (one launch each)."""
+    out = tmp_path_factory.mktemp("tp")
+    for layout in ("one", "tp2", "fsdp2_tp2"):
+        ok(launch(json_byte_tokens, out / layout, layout))
+    return out
+
+
+def assert_same_training(a, b, tolerance=1e-5):
+    losses_a, losses_b = [m["loss"] for m in train_lines(a)], [m["loss"] for m in train_lines(b)]
+    assert len(losses_a) == len(losses_b) == 6
+    assert losses_a == pytest.approx(losses_b, abs=tolerance), (losses_a, losses_b)
+    evals_a, evals_b = [m["eval_loss"] for m in eval_lines(a)], [m["eval_loss"] for m in eval_lines(b)]
+    assert len(evals_a) == len(evals_b) >= 1 and evals_a == pytest.approx(evals_b, abs=tolerance)
+    assert_weights_close(weights(a), weights(b), atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
+def test_tensor_parallel_takes_the_steps_one_process_takes(runs, layout):
+    """Per-step losses, eval loss and the final model.safetensors (whole, the tied embedding once) within
+    1e-5 of one process, with accumulation and clipping by the global norm over every shard."""
+    assert_same_training(runs / "one", runs / layout)
+    norms = [m["grad_norm"] for m in train_lines(runs / layout)]
+    assert all(n > 0.05 for n in norms)  # clipping bit
+    assert norms == pytest.approx([m["grad_norm"] for m in train_lines(runs / "one")], rel=1e-4)
+    assert weights(runs / layout)["h.0.attn.c_attn.weight"].shape == (96, 32)  # whole, q/k/v stacked as stored
+    # Each rank holds its shards: a half under tp2, a quarter under fsdp2 × tp2 (norms, wpe whole).
+    held, whole = train_lines(runs / layout)[0]["param_bytes"], train_lines(runs / "one")[0]["param_bytes"][0]
+    assert [b / whole for b in held] == pytest.approx([0.5 if layout == "tp2" else 0.25] * len(held), abs=0.02)
+    # The whole weights generate as one process's do (greedy: the same continuation).
+    greedy = ("--prompt", "{", "--tokens", "20", "--temperature", "0")
+    said = ok(dtrain("generate", str(runs / layout), *greedy)).stdout
+    assert said and said == ok(dtrain("generate", str(runs / "one"), *greedy)).stdout
+
+
+@pytest.mark.parametrize("before, after", [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4")])
+def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, before, after):
+    """Stopped at step 3 under one layout, resumed under the other (DCP reshards the DTensor shards): the
+    same global samples, the losses, eval loss and weights of the run that never stopped."""
+    ok(launch(json_byte_tokens, tmp_path, before, "training.stop_at_step=3"))
+    resumed = ok(launch(json_byte_tokens, tmp_path, after))
+    assert "resumed from " in resumed.stderr and "(step 3 of 6" in resumed.stderr, resumed.stderr
+    assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))
+    assert_same_training(runs / "one", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides, message",
+    [
+        (
+            "3",
+            ["distributed.tp_size=3"],
+            "distributed.tp_size = 3 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
+            "each rank holding whole heads; use distributed.tp_size in [1, 2, 4]",
+        ),
+        (
+            "4",
+            ["distributed.tp_size=2"],
+            "distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = 2 splits it "
+            "(2 copies over 4 processes): DDP cannot average tensor-parallel shards; set distributed.strategy=fsdp "
+            "(or hsdp) to spread the copies",
+        ),
+        (
+            "2",
+            ["distributed.tp_size=2", "data.block_size=15"],
+            "data.block_size = 15: sequence parallel splits each window's positions evenly over "
+            "distributed.tp_size = 2; use a multiple of 2 (14 or 16)",
+        ),
+        (
+            "2",
+            ["distributed.tp_size=2", "training.precision=fp16"],
+            "training.precision = 'fp16' needs a gradient scaler that knows tensor-parallel shards "
+            "(distributed.tp_size = 2); use training.precision=bf16",
+        ),
+    ],
+)
+def test_what_tensor_parallel_cannot_do_is_refused_by_the_launcher(
+    json_byte_tokens, tmp_path, nproc, overrides, message
+):
+    result = dtrain(
+        "run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={tmp_path / 'run'}", *overrides
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"dtrain: error: {message}"], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(tmp_path):
+    result = dtrain(
+        "run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "distributed.tp_size=2"
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "dtrain: error: Sequential has no tensor-parallel plan (distributed.tp_size = 2); give a plan: "
+        "dtrain.Trainer(..., tp_plan={'layers.*.up': ColwiseParallel(), ...}) with torch's parallel styles, or a "
+        "tp_plan() method on the model returning one; or set distributed.tp_size=1"
+    ], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(json_byte_tokens, tmp_path):
+    """SIGTERM to the launcher mid-run under tp2: one checkpoint, exit 75; the same command resumes from it
+    and ends with the weights of the run that was never stopped, bitwise (the same layout)."""
+    longer = ("training.max_steps=30", "checkpoint.every_steps=100")
+    ok(launch(json_byte_tokens, tmp_path / "whole", "tp2", *longer))
+    stopped = tmp_path / "stopped"
+    nproc, *settings = LAYOUTS["tp2"]
+    args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={stopped}", *settings, *longer]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not ((stopped / "metrics.jsonl").exists() and len(train_lines(stopped)) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # as a scheduler would
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 75, err
+    (checkpoint,) = CheckpointStore(stopped).complete()
+    assert 2 <= checkpoint.step < 30 and f"stopped by SIGTERM at step {checkpoint.step}" in err.decode()
+    resumed = ok(dtrain(*args))
+    assert f"resumed from {checkpoint.path}" in resumed.stderr
+    assert [m["step"] for m in train_lines(stopped)] == list(range(1, 31))
+    assert_weights_close(weights(stopped), weights(tmp_path / "whole"), atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A tiny Hugging Face Llama (its own plan) and an MLP (a plan given to the Trainer), on 1 process and
+    under tp2: one launch each."""
+    out = tmp_path_factory.mktemp("planned")
+    for nproc in (1, 2):
+        ok(torchrun(WORKERS / "tensor_parallel.py", out, nproc=nproc))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "mlp"])
+def test_a_models_own_plan_and_a_plan_given_to_the_trainer_take_one_process_steps(planned, name):
+    """Per-step losses (accumulation, clipping by the global norm: DTensor shards and parameters the plan
+    left whole together), eval loss and final weights within 1e-5 of one process."""
+    one, tp2 = planned / f"{name}-tp1", planned / f"{name}-tp2"
+    losses = [m["loss"] for m in train_lines(tp2)]
+    assert len(losses) == 4 and losses == pytest.approx([m["loss"] for m in train_lines(one)], abs=1e-5)
+    assert all(m["grad_norm"] > 0.05 for m in train_lines(tp2))  # clipping bit
+    assert eval_lines(tp2)[-1]["eval_loss"] == pytest.approx(eval_lines(one)[-1]["eval_loss"], abs=1e-5)
+    assert_weights_close(weights(tp2), weights(one), atol=1e-5, rtol=0)
+    # Split indeed: each rank holds about half the parameters and optimizer state (norms stay whole).
+    held, whole = train_lines(tp2)[0], train_lines(one)[0]
+    for key in ("param_bytes", "optimizer_bytes"):
+        assert [b / whole[key][0] for b in held[key]] == pytest.approx([0.5, 0.5], abs=0.02), key
+
+
+def test_a_model_given_no_plan_is_refused_by_the_trainer_saying_how_to_give_one(planned):
+    refusals = json.loads((planned / "refusals-tp2.json").read_text())
+    assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (distributed.tp_size = 2); give ")
