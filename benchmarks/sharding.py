@@ -1,7 +1,8 @@
 """Workload W2 under each way of spreading the model: tokens/s and what each rank holds, for dtrain with
 DDP, FSDP2, FSDP2 + activation checkpointing, FSDP2 keeping gathered parameters from forward to backward
-(reshard_after_forward = false, "zero2"), compile, and Hugging Face Accelerate (its FSDP2 on GPUs;
-its FSDP needs an accelerator, so on CPUs its DDP).
+(reshard_after_forward = false, "zero2"), compile, tensor parallel (alone; under FSDP from 4 processes),
+pipeline parallel under each schedule (4 micro-batches a step: its bubble is reported), and Hugging Face
+Accelerate (its FSDP2 on GPUs; its FSDP needs an accelerator, so on CPUs its DDP).
 
     pip install -e '.[bench]'                       # accelerate, for its variant
     python benchmarks/sharding.py                   # 3 rounds, 25 steps each, 2 processes
@@ -39,8 +40,18 @@ VARIANTS = {  # name → dtrain settings (None: Accelerate)
     "fsdp-zero2": {"distributed": {"strategy": "fsdp", "reshard_after_forward": False}},
     "ddp+compile": {"training": {"compile": "blocks"}},
     "fsdp+compile": {"distributed": {"strategy": "fsdp"}, "training": {"compile": "blocks"}},
+    "tp": {"distributed": {"tp_size": 2}},  # with 2 processes: tp 2 alone
+    "fsdp+tp": {"distributed": {"strategy": "fsdp", "tp_size": 2}},  # from 4 processes: fsdp N/2 × tp 2
+    # Pipeline stages over 4 accumulation micro-batches (a step then trains 4 × the windows of the others).
+    "pp-gpipe": {"distributed": {"pp_size": 2, "pp_schedule": "gpipe"}, "training": {"grad_accum_steps": 4}},
+    "pp-1f1b": {"distributed": {"pp_size": 2, "pp_schedule": "1f1b"}, "training": {"grad_accum_steps": 4}},
+    "pp-interleaved": {
+        "distributed": {"pp_size": 2, "pp_schedule": "interleaved_1f1b"},
+        "training": {"grad_accum_steps": 4},
+    },
     "accelerate": None,  # FSDP2 on GPUs; on CPUs its DDP (see run_accelerate)
 }
+NEEDS_FOUR = {"fsdp+tp"}  # on 2 processes it would be tp alone
 
 
 def run_dtrain(settings: dict, data: Path, steps: int, log_every: int, scratch: Path) -> dict:
@@ -65,7 +76,10 @@ def run_dtrain(settings: dict, data: Path, steps: int, log_every: int, scratch: 
     train = [r for r in records if "tokens_per_s" in r]
     first = train[0]
     held = max(p + g + o for p, g, o in zip(first["param_bytes"], first["grad_bytes"], first["optimizer_bytes"]))
-    return {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in train[1:]), "held_bytes": held}
+    result = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in train[1:]), "held_bytes": held}
+    if "pp_bubble" in first:  # the schedule's idle share, (p − 1) / (m + p − 1) for 1F1B
+        result["pp_bubble"] = first["pp_bubble"]
+    return result
 
 
 def run_accelerate(data: Path, steps: int, log_every: int) -> dict:
@@ -141,7 +155,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     parser.add_argument("--log-every", type=int, default=5, help="warm-up steps, and steps per measured window")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default="", help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--data", type=Path, default=Path("data/stdlib"), help="a `dtrain prepare` folder")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -153,9 +167,12 @@ def main() -> None:
         subprocess.run(
             [sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)], check=True
         )
-    chosen = args.variants.split(",")
+    chosen = (
+        args.variants.split(",") if args.variants else [v for v in VARIANTS if args.nproc >= 4 or v not in NEEDS_FOUR]
+    )
     speed: dict[str, list[float]] = {v: [] for v in chosen}
     held: dict[str, list[float]] = {v: [] for v in chosen}
+    bubble: dict[str, float] = {}
     for round_ in range(args.rounds):
         for variant in chosen:
             result = run_workers(
@@ -172,6 +189,8 @@ def main() -> None:
             )
             speed[variant].append(result["tokens_per_s"])
             held[variant].append(result["held_bytes"])
+            if "pp_bubble" in result:
+                bubble[variant] = result["pp_bubble"]
             print(
                 f"round {round_ + 1}/{args.rounds} {variant}: {result['tokens_per_s']:,.0f} tokens/s, "
                 f"{result['held_bytes'] / 2**20:.1f} MiB held per rank {result.get('how', '')}",
@@ -181,11 +200,12 @@ def main() -> None:
     baseline = "ddp" if "ddp" in chosen else chosen[0]
     table = ratio_table(speed, "tokens/s", {baseline: baseline}).splitlines()
     base = statistics.median(held[baseline])
-    print(table[0] + f" MiB held per rank | vs {baseline} |")
-    print(table[1] + " ---: | ---: |")
+    print(table[0] + f" MiB held per rank | vs {baseline} | pipeline bubble |")
+    print(table[1] + " ---: | ---: | ---: |")
     for variant, row in zip(chosen, table[2:]):
         mib = statistics.median(held[variant])
-        print(row + f" {mib / 2**20:.1f} | {mib / base:.2f}× |")
+        idle = f"{bubble[variant]:.0%}" if variant in bubble else ""
+        print(row + f" {mib / 2**20:.1f} | {mib / base:.2f}× | {idle} |")
 
 
 if __name__ == "__main__":
