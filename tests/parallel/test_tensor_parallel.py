@@ -2,6 +2,7 @@
 real processes on gloo, launched by `dtrain run` as a user launches them."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ LAYOUTS = {
     "fsdp2_tp2": ("4", "training.grad_accum_steps=2", "distributed.tp_size=2", "distributed.strategy=fsdp"),
     "ddp2": ("2", "training.grad_accum_steps=2"),
     "fsdp4": ("4", "training.grad_accum_steps=1", "distributed.strategy=fsdp"),
+    "pp2": ("2", "training.grad_accum_steps=4", "distributed.pp_size=2"),
 }
 
 
@@ -175,6 +177,38 @@ def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_fro
     assert f"resumed from {checkpoint.path}" in resumed.stderr
     assert [m["step"] for m in train_lines(stopped)] == list(range(1, 31))
     assert_weights_close(weights(stopped), weights(tmp_path / "whole"), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(json_byte_tokens, tmp_path, layout):
+    """SIGKILL to the whole job (launcher and workers, nothing can run) once a checkpoint exists, under tp2
+    and pp2: the same command resumes from the newest complete checkpoint and ends bitwise on the weights
+    of the run that was never stopped (the same layout)."""
+    longer = ("training.max_steps=30", "checkpoint.every_steps=5")
+    ok(launch(json_byte_tokens, tmp_path / "whole", layout, *longer))
+    killed = tmp_path / "killed"
+    nproc, *settings = LAYOUTS[layout]
+    args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={killed}", *settings, *longer]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", *args],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not CheckpointStore(killed).complete():
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint before the run ended"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=TIMEOUT)
+    newest = CheckpointStore(killed).complete()[-1]
+    assert newest.step < 30, "the run finished before it was killed"
+    resumed = ok(dtrain(*args))
+    assert f"resumed from {newest.path}" in resumed.stderr
+    assert [m["step"] for m in train_lines(killed)] == list(range(1, 31))
+    assert_weights_close(weights(killed), weights(tmp_path / "whole"), atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
