@@ -69,6 +69,8 @@ def assert_same_training(a, b, tolerance=1e-5):
     assert losses_a == pytest.approx(losses_b, abs=tolerance), (losses_a, losses_b)
     evals_a, evals_b = [m["eval_loss"] for m in eval_lines(a)], [m["eval_loss"] for m in eval_lines(b)]
     assert len(evals_a) == len(evals_b) >= 1 and evals_a == pytest.approx(evals_b, abs=tolerance)
+    # each eval sample counted once, however many processes a replica's model is split over
+    assert [m["eval_samples"] for m in eval_lines(a)] == [m["eval_samples"] for m in eval_lines(b)]
     assert_weights_close(weights(a), weights(b), atol=tolerance, rtol=0)
 
 

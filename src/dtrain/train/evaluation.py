@@ -57,10 +57,14 @@ class Evaluator:
         precision: Precision,
         progress: Progress,
         eval_every_steps: int = 0,
+        counts: bool = True,
     ):
         self.batches, self.loss_of, self.user_metrics = batches, loss_of, user_metrics
         self.eval_every, self.precision, self.progress = eval_every, precision, progress
         self.eval_every_steps = eval_every_steps
+        # Whether this rank's batches count: of a replica's tensor- and context-parallel peers, which run
+        # the same samples together, one counts them (the others' sums would count each sample again).
+        self.counts = counts
 
     @classmethod
     def of(
@@ -78,7 +82,8 @@ class Evaluator:
         tells `timer`'s progress (the hang watch) that it evaluates. Shared by data-parallel coordinate: a
         replica's tensor and pipeline peers evaluate the same samples."""
         dims = parallel.layout(config, session)
-        rank, world = dims.dp_rank(session.rank), dims.dp
+        rank, world, at = dims.dp_rank(session.rank), dims.dp, dims.coordinate(session.rank)
+        counts = at["tp"] == 0 and at["cp"] == 0
         if eval_data is None:
             return None
         every_steps, progress = config.training.eval_every_steps, timer.progress
@@ -87,7 +92,7 @@ class Evaluator:
             stream = StreamEvalBatches(
                 eval_data, rank, world, config.data, session.device, collate_fn, config.training.eval_batches
             )
-            return cls(stream, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
+            return cls(stream, loss_of, metrics, config.training.eval_every, precision, progress, every_steps, counts)
         if len(eval_data) == 0:  # nothing to evaluate: said, rather than eval lines with no metric on them
             if session.is_main:
                 print("note: eval_data holds no samples: this run does not evaluate", file=sys.stderr, flush=True)
@@ -95,7 +100,7 @@ class Evaluator:
         cap = config.training.eval_batches * config.data.eval_batch_size
         eval_data = capped(eval_data, cap, config.run.seed) if cap else eval_data
         batches = EvalBatches(eval_data, rank, world, config.data, session.device, collate_fn)
-        return cls(batches, loss_of, metrics, config.training.eval_every, precision, progress, every_steps)
+        return cls(batches, loss_of, metrics, config.training.eval_every, precision, progress, every_steps, counts)
 
     def should_evaluate(self, step: int, total_steps: int, epoch: int, epoch_done: bool) -> bool:
         """After the last step, at the end of every `training.eval_every`-th epoch, and every
@@ -125,7 +130,7 @@ class Evaluator:
                 continue
             with self.precision.autocast():
                 loss, output, target = self.loss_of(module, batch)
-            if counted:
+            if counted and self.counts:
                 sums.add(loss, output, target, batch, num_samples(batch), self.loss_of.items(module, batch))
         module.train(was_training)
         return sums.result()
