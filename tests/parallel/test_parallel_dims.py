@@ -70,9 +70,16 @@ def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
             ["distributed.tp_size=2", "distributed.pp_size=2"],
             6,
             6,
-            "distributed.tp_size = 2 × distributed.pp_size = 2 splits the model over 4 processes and 6 "
-            "processes are not a multiple of 4; run a multiple of 4 (4, 8, 12, 16, ...) or set sizes whose "
-            "product divides 6",
+            "distributed.tp_size = 2 × distributed.pp_size = 2 splits the model over 4 processes and the job "
+            "has 6; run a multiple of 4 processes (4, 8, 12, 16, ...) or set sizes whose product divides 6 "
+            "(checkpoints resume under any layout)",
+        ),
+        (
+            ["distributed.tp_size=2"],
+            1,
+            1,
+            "distributed.tp_size = 2 splits the model over 2 processes and the job has 1; run a multiple of 2 "
+            "processes (2, 4, 6, 8, ...) or set distributed.tp_size=1 (checkpoints resume under any layout)",
         ),
         (
             ["distributed.tp_size=4"],

@@ -55,12 +55,18 @@ class ParallelDims:
         model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
         split = math.prod(model.values())
         if world_size % split:
-            named = " × ".join(f"{_KEYS[k]} = {v}" for k, v in model.items() if v > 1)
-            fits = [n for n in range(split, 4 * split + 1, split)]
+            used = [k for k, v in model.items() if v > 1]
+            named = " × ".join(f"{_KEYS[k]} = {model[k]}" for k in used)
+            multiples = ", ".join(str(split * i) for i in range(1, 5))
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0][:8]
+            instead = f"set sizes whose product divides {world_size}"
+            if len(used) == 1:
+                key = _KEYS[used[0]]
+                instead = f"set {key}=1" if divisors == [1] else f"set {key} to one of {', '.join(map(str, divisors))}"
             raise ConfigError(
-                f"{named} splits the model over {split} processes and {world_size} processes are not a "
-                f"multiple of {split}; run a multiple of {split} ({', '.join(map(str, fits[:4]))}, ...) or "
-                f"set sizes whose product divides {world_size}"
+                f"{named} splits the model over {split} processes and the job has {world_size}; run a "
+                f"multiple of {split} processes ({multiples}, ...) or {instead} (checkpoints resume under any "
+                f"layout)"
             )
         inner = dc.tp_size * dc.cp_size  # the dimensions whose groups must lie within one node
         if inner > 1 and local_world_size % inner and world_size > local_world_size:

@@ -58,7 +58,10 @@ def split_problem(n_blocks: int, pp: int, per_rank: int) -> str | None:
     fits = list(range(2, n_blocks // per_rank + 1))
     made = f"distributed.pp_size = {pp}" + (f" × pp_stages_per_rank = {per_rank}" if per_rank > 1 else "")
     would = f"use distributed.pp_size = {' or '.join(map(str, fits))}" if fits else "use distributed.pp_size = 1"
-    return f"{made} makes {stages} pipeline stages and the model has {n_blocks} blocks; {would}"
+    if per_rank > 1 and n_blocks >= pp:  # one stage per process would fit
+        would += " or distributed.pp_schedule = 1f1b (one stage per process)"
+    blocks_said = f"{n_blocks} block" + ("" if n_blocks == 1 else "s")
+    return f"{made} makes {stages} pipeline stages and the model has {blocks_said}; {would}"
 
 
 def block_list(module: nn.Module, names: list[str]) -> tuple[str, nn.ModuleList]:
