@@ -99,6 +99,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_
     ok(launch(json_byte_tokens, tmp_path, before, "training.stop_at_step=3"))
     resumed = ok(launch(json_byte_tokens, tmp_path, after))
     assert "resumed from " in resumed.stderr and "(step 3 of 6" in resumed.stderr, resumed.stderr
+    assert "distributed.tp_size 2 → 1" in resumed.stderr  # the layout's change said
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))
     assert_same_training(runs / "one", tmp_path)
 

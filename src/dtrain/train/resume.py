@@ -250,6 +250,9 @@ def spread(config: Config) -> dict[str, Any]:
     """How the run is spread and computed: may change on resume, and the console says so (see restore)."""
     return {
         "distributed.strategy": config.distributed.strategy,
+        "distributed.tp_size": config.distributed.tp_size,  # the layout: checkpoints resume under any
+        "distributed.pp_size": config.distributed.pp_size,
+        "distributed.cp_size": config.distributed.cp_size,
         "training.compile": config.training.compile,
         "training.activation_checkpointing": config.training.activation_checkpointing,
         "training.precision": config.training.precision,
