@@ -68,6 +68,18 @@ def test_shuffle_under_random_windows_is_named_in_the_note():
     assert result.stderr.splitlines() == [IDLE + said]
 
 
+def test_pipeline_settings_without_a_pipeline_are_named_in_the_note():
+    result = ok(dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe"))
+    said = 'distributed.pp_schedule = "gpipe" (a pipeline setting; distributed.pp_size = 1)'
+    assert result.stderr.splitlines() == [IDLE + said]
+    assert (
+        ok(
+            dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe", "distributed.pp_size=2")
+        ).stderr
+        == ""
+    )
+
+
 def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
     """Under `dtrain run --nproc 2` (the launcher and both workers read the config) the note is said once;
     a model.blocks name that matches no module is refused even where nothing would use the blocks (DDP

@@ -217,6 +217,11 @@ def idle_settings(config: Config) -> list[str]:
         idle += [said("data", key, why) for key in ("pad_to_multiple_of", "pad_token_id") if given("data", key)]
     if config.data.sampling == "random" and given("data", "shuffle"):
         idle.append(said("data", "shuffle", "random windows are drawn at random; data.sampling = random"))
+    if config.distributed.pp_size == 1:
+        why = "a pipeline setting; distributed.pp_size = 1"
+        idle += [
+            said("distributed", key, why) for key in ("pp_schedule", "pp_stages_per_rank") if given("distributed", key)
+        ]
     if config.model.name != "mlp" and given("model", "hidden_size"):
         idle.append(said("model", "hidden_size", f"the built-in mlp's width; model.name = {config.model.name}"))
     return [f"these settings do nothing in this job and are ignored: {'; '.join(idle)}"] if idle else []
