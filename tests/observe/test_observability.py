@@ -302,6 +302,21 @@ def test_report_of_a_run_resumed_under_another_strategy_shares_each_phase_over_i
     assert "communication share: not measured" in summary([window(5, 0), window(10, 0)])
 
 
+def test_report_says_a_pipeline_s_bubble(tmp_path):
+    """pp_bubble, logged on every step line of a pipeline run, is said in the summary; a damaged value is
+    left out, as any field of the wrong kind is."""
+    from dtrain.commands.report import load_records, summary
+
+    lines = [
+        {"step": s, "epoch": 0, "loss": 1.0, "samples_per_s": 100.0, "pp_bubble": bubble}
+        for s, bubble in ((1, 0.2), (2, 0.2), (3, "lots"))
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = summary(load_records(tmp_path))
+    assert "pipeline bubble: 20% of each step (the schedule's idle share)" in text
+    assert "pipeline bubble" not in summary(load_records(tmp_path)[2:])
+
+
 def test_report_from_the_command_line(slow_rank_run):
     run_dir, _ = slow_rank_run
     result = ok(dtrain("report", str(run_dir)))

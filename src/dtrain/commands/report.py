@@ -69,7 +69,7 @@ def _usable(record: Any, earlier: list[dict[str, Any]]) -> dict[str, Any] | None
     required: tuple[str, ...]
     optional: tuple[str, ...]
     if "loss" in record:
-        required, optional = ("loss", "samples_per_s"), ("lr", "grad_norm", "mfu")
+        required, optional = ("loss", "samples_per_s"), ("lr", "grad_norm", "mfu", "pp_bubble")
     elif "eval_loss" in record:
         required, optional = ("eval_loss",), ("eval_accuracy",)
     else:
@@ -263,6 +263,9 @@ def summary(records: list[dict[str, Any]]) -> str:
                 f"under a sharded strategy)"
             )
         )
+    bubbles = [r["pp_bubble"] for r in train if "pp_bubble" in r]
+    if bubbles:  # the schedule's idle share: (p − 1) / (m + p − 1), fewer micro-batches a larger one
+        lines.append(f"pipeline bubble: {statistics.mean(bubbles):.0%} of each step (the schedule's idle share)")
     if any("mfu" in r for r in steady):
         lines.append(f"mean MFU: {statistics.mean(r['mfu'] for r in steady if 'mfu' in r):.1%}")
     with_memory = [r for r in train if "param_bytes" in r]
