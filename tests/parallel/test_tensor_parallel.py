@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from dtrain.checkpoint import CheckpointStore
 from helpers import (
@@ -90,6 +91,24 @@ def test_tensor_parallel_takes_the_steps_one_process_takes(runs, layout):
     greedy = ("--prompt", "{", "--tokens", "20", "--temperature", "0")
     said = ok(dtrain("generate", str(runs / layout), *greedy)).stdout
     assert said and said == ok(dtrain("generate", str(runs / "one"), *greedy)).stdout
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
+def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path, layout):
+    """`dtrain export --format hf` of a tensor-parallel run: a folder transformers loads whole, giving the
+    logits of the one-process run's export within 1e-5 (the weights agree within that)."""
+    transformers = pytest.importorskip("transformers")  # the test extra installs it
+    from dtrain.checkpoint.hf_export import export_hf
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for name in ("one", layout):
+        folder = export_hf(runs / name, tmp_path / name, None, "")
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert logits[0].shape == logits[1].shape == (2, 16, model.config.vocab_size)
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("before, after", [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4")])
