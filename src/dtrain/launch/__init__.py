@@ -88,15 +88,21 @@ def _is_host_port(value: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
+def _torchrun_knows(option: str) -> bool:
+    """Whether this torch's torchrun takes `option` (a GPU image's torch can be older than the floor)."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"{option}=1", "entry.py"])
+    return not unknown
+
+
 def torchrun_args(
     spec: LaunchSpec, entry: list[str], local_addr: str | None = None, is_host: bool = False
 ) -> list[str]:
     """The torchrun command line (without 'torchrun') for `spec`, running `entry` in each worker."""
-    args = [
-        f"--nproc-per-node={spec.nproc}",
-        f"--max-restarts={spec.max_restarts}",
-        f"--shutdown-timeout={int(spec.shutdown_grace_s)}",
-    ]
+    args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
+    if _torchrun_knows("--shutdown-timeout"):  # torch 2.13 on; older torchrun waits its own 30 s
+        args.append(f"--shutdown-timeout={int(spec.shutdown_grace_s)}")
     if not spec.rdzv_endpoint:  # one node (validate() refuses several without an endpoint)
         return args + ["--standalone"] + entry  # a private rendezvous on a free local port
     host, _, port = spec.rdzv_endpoint.rpartition(":")
