@@ -172,6 +172,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
     """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
     depth is checked where the model is known (pipeline.check_model)."""
     tc = config.training
+    if config.model.hf_folder is not None:  # its forward runs every block: a stage's absent ones break it
+        return (
+            f"distributed.pp_size = {dims.pp} with model.name = '{config.model.name}': a Hugging Face model's "
+            f"forward does not pass over the blocks a pipeline stage lacks; set distributed.pp_size=1"
+        )
     if dims.tp > 1:
         return (
             f"distributed.pp_size = {dims.pp} with distributed.tp_size = {dims.tp}: tensor parallel inside "
