@@ -4,7 +4,7 @@ the model are refused in one line instead of being ignored."""
 
 import pytest
 
-from helpers import SMALL_JOB, dtrain, ok
+from helpers import SMALL_JOB, dtrain, gpt_on_tokens, ok
 
 IDLE = "note: these settings do nothing in this job and are ignored: "
 
@@ -102,3 +102,15 @@ def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
         "matched 2 modules); its module classes are Flatten, Linear, ReLU",
     ]
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_fsdp_over_one_data_parallel_process_is_said_to_shard_nothing(json_byte_tokens, tmp_path):
+    """tp 2 on 2 processes leaves one data-parallel process: FSDP has nothing to shard over, said once."""
+    args = ["distributed.tp_size=2", "distributed.strategy=fsdp", "training.max_steps=1"]
+    args += ["model.options={n_layer = 2, n_head = 2, n_embd = 32}"]
+    err = ok(dtrain(*gpt_on_tokens(json_byte_tokens, tmp_path / "run", *args, block=16))).stderr
+    note = (
+        "note: distributed.strategy = fsdp shards over the data-parallel processes and this job has one "
+        "(2 processes, each a tensor or pipeline part of one replica): it shards nothing"
+    )
+    assert err.count(note) == 1, err

@@ -56,6 +56,14 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         note = cpu_bf16_note(max(1, distributed.available_cores() // local_world_size))
         if note:
             print(f"note: {note}", file=sys.stderr, flush=True)
+    strategy = config.distributed.strategy
+    if strategy == "fsdp" and dp == 1 and world_size > 1:  # tensor/pipeline peers hold the whole world
+        print(
+            f"note: distributed.strategy = {strategy} shards over the data-parallel processes and this job has "
+            f"one ({world_size} processes, each a tensor or pipeline part of one replica): it shards nothing",
+            file=sys.stderr,
+            flush=True,
+        )
     if config.training.compile != "none":
         problem = parallel.blocks.compiler_problem(targets[0][0])
         if problem:
