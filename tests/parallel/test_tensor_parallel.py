@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dtrain.checkpoint import CheckpointStore
 from helpers import (
@@ -91,6 +92,22 @@ def test_tensor_parallel_takes_the_steps_one_process_takes(runs, layout):
     greedy = ("--prompt", "{", "--tokens", "20", "--temperature", "0")
     said = ok(dtrain("generate", str(runs / layout), *greedy)).stdout
     assert said and said == ok(dtrain("generate", str(runs / "one"), *greedy)).stdout
+
+
+def test_each_tensor_parallel_rank_draws_dropout_from_a_stream_of_its_own(runs):
+    """The GPT's dropout acts on shards under tp (sequence shards, its own heads): the two tp ranks of a
+    replica must not draw one mask pattern for different positions. Their generators differ in the
+    checkpoint's per-rank RNG files, while the replicas' ranks of one tp coordinate stay alike."""
+
+    def torch_rng(layout, rank):
+        folder = CheckpointStore(runs / layout).complete()[-1].path
+        return load_file(str(folder / f"rng-rank{rank}.safetensors"))["torch"]
+
+    assert not torch.equal(torch_rng("tp2", 0), torch_rng("tp2", 1))
+    # fsdp2 × tp2: ranks (0, 1) and (2, 3) are the replicas, tp innermost
+    assert not torch.equal(torch_rng("fsdp2_tp2", 0), torch_rng("fsdp2_tp2", 1))
+    assert torch.equal(torch_rng("fsdp2_tp2", 0), torch_rng("fsdp2_tp2", 2))
+    assert torch.equal(torch_rng("fsdp2_tp2", 1), torch_rng("fsdp2_tp2", 3))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])

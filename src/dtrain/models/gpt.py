@@ -79,6 +79,9 @@ class GPT(nn.Module):
     _no_split_modules: ClassVar[list[str]] = [
         "Block"
     ]  # the unit of sharding (FSDP) and of activation checkpointing, as in HF
+    # Under its tensor-parallel plan (gpt_tp.py) every dropout acts on a shard: the embedding's and the
+    # residuals' on sequence shards, attention's on the rank's own heads (parallel/dropout.py).
+    tp_dropout_on_shards: ClassVar[bool] = True
 
     def __init__(
         self,

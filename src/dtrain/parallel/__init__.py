@@ -82,9 +82,11 @@ def build(
         return Pipeline(module, session, dims or layout(config, session), config, observer)
     dims = dims or layout(config, session)
     if dims.tp > 1:
-        from dtrain.parallel import tensor
+        from dtrain.parallel import dropout, tensor
 
         tensor.parallelize(module, dims.world_mesh(session.device.type)["tp"], tp_plan)
+        if tp_plan is None:  # the model's own plan: it knows where its dropout acts
+            dropout.own_streams(module, dims.coordinate(session.rank)["tp"])
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
