@@ -77,7 +77,7 @@ def run_dtrain(settings: dict, data: Path, steps: int, log_every: int, scratch: 
     first = train[0]
     held = max(p + g + o for p, g, o in zip(first["param_bytes"], first["grad_bytes"], first["optimizer_bytes"]))
     result = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in train[1:]), "held_bytes": held}
-    if "pp_bubble" in first:  # the schedule's idle share, (p − 1) / (m + p − 1) for 1F1B
+    if "pp_bubble" in first:  # the schedule's idle share in theory (benchmarks/bubble.py measures it)
         result["pp_bubble"] = first["pp_bubble"]
     return result
 
@@ -200,7 +200,7 @@ def main() -> None:
     baseline = "ddp" if "ddp" in chosen else chosen[0]
     table = ratio_table(speed, "tokens/s", {baseline: baseline}).splitlines()
     base = statistics.median(held[baseline])
-    print(table[0] + f" MiB held per rank | vs {baseline} | pipeline bubble |")
+    print(table[0] + f" MiB held per rank | vs {baseline} | bubble (theory) |")
     print(table[1] + " ---: | ---: | ---: |")
     for variant, row in zip(chosen, table[2:]):
         mib = statistics.median(held[variant])
