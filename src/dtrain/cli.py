@@ -486,7 +486,8 @@ def _eval_here(args: argparse.Namespace, run_dir, shown: str) -> int:
     spec = _spec(args)
     spec.validate()
     if spec.nproc == 1 and not spec.multi_node:
-        return as_worker(lambda: evaluate.main(run_dir, choice, args.overrides, shown, args.out))
+        overrides = [*args.overrides, *evaluate.unsplit(config, shown)]
+        return as_worker(lambda: evaluate.main(run_dir, choice, overrides, shown, args.out))
     from dtrain.launch import launch
 
     which = ["--step", str(choice.step)] if choice.step is not None else ["--final"]

@@ -82,6 +82,16 @@ def choose(run_dir: Path, step: int | None, shown: str) -> Choice:
     raise DtrainError(f"{shown} holds no complete checkpoint and no final weights: nothing to evaluate yet")
 
 
+def unsplit(config: Any, shown: str) -> list[str]:
+    """The overrides that evaluate a run trained split (tensor or pipeline parallel) on one process, each
+    said in one note: the checkpoint reads into the whole model (DCP reshards), the loss is the same."""
+    split = [key for key in ("tp_size", "pp_size") if getattr(config.distributed, key) > 1]
+    for key in split:
+        was = getattr(config.distributed, key)
+        print(f"note: evaluating on 1 process: distributed.{key}=1 instead of the run's {was}", file=sys.stderr)
+    return [f"distributed.{key}=1" for key in split]
+
+
 def check_intact(run_dir: Path, choice: Choice) -> None:
     """A chosen checkpoint's files against its marker's sizes and CRCs: a truncated or altered one is one
     line naming it (as a resume and `dtrain export` say), not a reader's traceback. Once, in the launcher."""
@@ -135,6 +145,8 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         parallel.to_device(module, s.device)
         timer = StepTimer(s.device, enabled=False)
         strategy = parallel.build(config, s, module, timer)
+        # A pipeline keeps its stages' part of the model only: read into that, under the whole model's names.
+        module = strategy.module
         # Into the spread model: each rank reads its own shards (init_from.load_into).
         source = init_from.Source("RUN_DIR", choice.path, **_source_of(choice))
         try:
@@ -151,7 +163,9 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         evaluator = Evaluator.of(eval_data, s, config, collate_fn, loss_of, None, precision, timer)
         if evaluator is None:
             return {}
-        return evaluator.evaluate(module, strategy.forward_is_collective, s.device)
+        # As Trainer.evaluate: a pipeline's stages each run every batch, only the last one scoring it.
+        collective, computes_loss = strategy.forward_is_collective, strategy.computes_loss
+        return evaluator.evaluate(strategy.eval_module, collective, s.device, computes_loss)
 
 
 def _source_of(choice: Choice) -> dict[str, Any]:
