@@ -333,7 +333,7 @@ def _fit(
             shapes.append(f"{name} {list(stored[found])} in the file, {list(tensor.shape)} in the model")
     used = set(names.values())
     # A pipeline stage's part of the model (parallel/pipeline.py) reads its own names of the whole model's.
-    others = getattr(module, "pipeline_whole_names", frozenset())
+    others: frozenset[str] = getattr(module, "pipeline_whole_names", frozenset())
     unexpected = [n for n in stored if n not in used and n not in others]
     problems = [
         f"{what} {_first(items)}"
