@@ -117,6 +117,8 @@ def load_into(module: Any, source: Source, is_main: bool) -> None:
     state = module.state_dict()
     names = distributed.rank0_decides(lambda: check_fit(module, source), is_main=is_main)
     assert names is not None
+    if hasattr(module, "pipeline_whole_names"):  # a pipeline stage's part: its own names, not rank 0's
+        names = check_fit(module, source)
     if source.checkpoint is not None:
         _read_checkpoint(source.checkpoint, state, _checkpoint_names(source.checkpoint)[1])
         return
