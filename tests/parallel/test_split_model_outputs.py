@@ -1,8 +1,10 @@
 """What a run trained split (tensor or pipeline parallel) leaves behind, used as one process's is: `dtrain
-eval` of its checkpoint (split as trained, or on one process) gives one process's eval loss. Real runs and
-real launches on gloo; one tiny GPT trained once per layout and shared by every test here."""
+eval` of its checkpoint (split as trained, or on one process) and of its final weights gives one process's
+eval loss, and `dtrain generate` one process's text. Real runs and real launches on gloo; one tiny GPT
+trained once per layout and shared by every test here."""
 
 import json
+import shutil
 
 import pytest
 
@@ -55,3 +57,18 @@ def test_eval_of_a_split_run_gives_one_processs_eval_loss(runs, tmp_path, layout
     assert [line for line in said.splitlines() if key in line] == [
         f"note: evaluating on 1 process: distributed.{key}=1 instead of the run's 2"
     ]
+
+
+def test_eval_of_a_pipeline_runs_final_weights(runs, tmp_path):
+    """The final model.safetensors (no checkpoint left) read stage by stage: one process's eval loss."""
+    final = tmp_path / "pp2"
+    shutil.copytree(runs / "pp2", final, ignore=shutil.ignore_patterns("checkpoints"))
+    loss, _ = evaluated(final, "2", tmp_path)
+    assert loss == pytest.approx(eval_lines(runs / "one")[-1]["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_generate_from_a_split_run_says_what_one_process_says(runs, layout):
+    greedy = ("--prompt", "{", "--tokens", "12", "--temperature", "0")
+    said = ok(dtrain("generate", str(runs / layout), *greedy)).stdout
+    assert said and said == ok(dtrain("generate", str(runs / "one"), *greedy)).stdout
