@@ -127,6 +127,19 @@ def test_two_pipelines_of_two_stages_train_as_one_process_of_both_batches(tokens
     assert_same_run(tmp_path / "one", tmp_path / "pp2dp2")
 
 
+def test_pipeline_stages_split_over_tensor_parallel_train_as_one_process(one_process, tokens, tmp_path):
+    """pp 2 × tp 2 (4 processes): each stage's layers split over 2; the tied embedding and head summed
+    shard by shard across the stages, the norm over stages and shards, the weights gathered whole."""
+    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", "distributed.pp_schedule=1f1b", nproc=4)))
+    assert_same_run(one_process, tmp_path)
+
+
+def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, tmp_path):
+    """3-D: pp 2 × dp 2 × tp 2 (8 tiny processes), each replica taking half of one process's batch."""
+    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", nproc=8, batch=2)))
+    assert_same_run(one_process, tmp_path)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

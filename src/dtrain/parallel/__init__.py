@@ -79,7 +79,7 @@ def build(
     if config.distributed.pp_size > 1:  # split first: checkpointing and compile then wrap the stage's blocks
         from dtrain.parallel.pipeline import Pipeline
 
-        return Pipeline(module, session, dims or layout(config, session), config, observer)
+        return Pipeline(module, session, dims or layout(config, session), config, observer, tp_plan)
     dims = dims or layout(config, session)
     if dims.tp > 1:
         from dtrain.parallel import dropout, tensor
@@ -142,7 +142,7 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
             f"distributed.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
             f"mask per document it cannot take; set data.packing=false or distributed.cp_size=1"
         )
-    if dims.tp > 1 and name == "ddp" and dims.dp > 1:
+    if dims.tp > 1 and name == "ddp" and dims.dp > 1 and dims.pp == 1:  # the pipeline averages its copies
         return (
             f"distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = {dims.tp} "
             f"splits it ({dims.dp} copies over {world_size} processes): DDP cannot average tensor-parallel "
@@ -178,11 +178,6 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
         return (
             f"distributed.pp_size = {dims.pp} with model.name = '{config.model.name}': a Hugging Face model's "
             f"forward does not pass over the blocks a pipeline stage lacks; set distributed.pp_size=1"
-        )
-    if dims.tp > 1:
-        return (
-            f"distributed.pp_size = {dims.pp} with distributed.tp_size = {dims.tp}: tensor parallel inside "
-            f"pipeline stages is not built yet; set one of them to 1"
         )
     if dims.dp_shard > 1:
         return (

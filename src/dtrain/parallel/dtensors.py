@@ -29,6 +29,30 @@ def clip_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
     return total
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor` (its shard where it is a DTensor; itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def placed_as_parameter(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` laid out as `param` is (an embedding's backward leaves its gradient replicated where its
+    weight is sharded): from a replicated gradient each rank keeps its shard, without a collective."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of `grads` over every shard, as a plain tensor: DTensor gradients' norms reduced over
+    their meshes (a replicated one counted once), plain ones as they are."""
+    norms = []
+    for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+        if group:
+            norm = nn.utils.get_total_norm(group)
+            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 def gathered_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:
     """The whole model's weights, gathered one tensor at a time (a collective per DTensor): a rank never
     holds more than one full parameter beyond its shards; `main` keeps each on the CPU, the others

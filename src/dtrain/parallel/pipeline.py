@@ -14,18 +14,25 @@ micro-batches: the first stage is fed the inputs, the last stage computes each m
 the step's loss (the trainer's StepShares), so the update is one batch's of all the step's samples. A
 parameter tied across stages (the GPT's embedding and head) is a copy on each holder; their gradients
 are summed after backward, so the copies stay equal. Clipping takes the norm over every stage.
+
+With `distributed.tp_size > 1` each stage's part is split over its tensor-parallel processes after the
+cut (parallelize_stage: the plan's entries for modules the stage lacks left out); activations between
+stages are then each tp rank's shard of the positions, sent to the same tp rank of the next stage, and
+the tied copies' gradients are summed shard by shard. With data-parallel copies on top (`ddp`: pp × dp ×
+tp), each stage averages its gradients over its replicas itself, once per step.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config
 from dtrain.data.batch import split
@@ -34,6 +41,7 @@ from dtrain.errors import ConfigError, DtrainError
 from dtrain.parallel import blocks
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.dtensors import grad_norm, local, placed_as_parameter
 from dtrain.parallel.observer import CommObserver
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -228,7 +236,15 @@ class Pipeline(Strategy):
 
     forward_is_collective = True  # a stage's forward waits for the previous stage's activations
 
-    def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, observer: CommObserver):
+    def __init__(
+        self,
+        module: nn.Module,
+        session: Session,
+        dims: ParallelDims,
+        config: Config,
+        observer: CommObserver,
+        tp_plan: Mapping[str, Any] | None = None,
+    ):
         if dims.dp_shard != 1:  # the factory's promise (pipeline_problem): stages are replicated, not sharded
             raise ValueError(f"pipeline stages are replicated over the data-parallel processes; got {dims}")
         dc = config.distributed
@@ -247,8 +263,10 @@ class Pipeline(Strategy):
         self._tied_groups = tied = _tied_names(module)
         whole = dict(module.named_parameters(remove_duplicate=False))
         # The shapes of each tied group, for a process that holds none of it.
-        self._tied_like = [(whole[names[0]].shape, whole[names[0]].dtype) for names in tied]
+        self._tied_like = [(whole[names[0]].shape, whole[names[0]].dtype) for names in tied]  # local: _share_tied
         part, views = split_model(module, list_name, self.layout)
+        if dims.tp > 1:  # each stage's layers split over the tensor-parallel processes of this stage
+            parallelize_stage(part, mesh["tp"], dims.coordinate(session.rank)["tp"], tp_plan)
         # Checkpointing and compiling block by block, on this process's blocks only (after the copy:
         # they replace each block's forward in place).
         blocks.apply_block_options(part, config, session.device, sharded=False, quiet=session.rank != 0)
@@ -284,8 +302,12 @@ class Pipeline(Strategy):
         the first process holding it)."""
         present = dict(part.named_parameters(remove_duplicate=False))
         mine = [next((present[n] for n in names if n in present), None) for names in tied]
-        holders: list[Any] = [None] * self.layout.pp
-        dist.all_gather_object(holders, [p is not None for p in mine], group=self.group)
+        gathered: list[Any] = [None] * self.layout.pp
+        held = [None if p is None else (tuple(local(p).shape), p.dtype) for p in mine]
+        dist.all_gather_object(gathered, held, group=self.group)
+        holders = [[h is not None for h in row] for row in gathered]
+        for g in range(len(tied)):  # the shape of a holder's copy (its tensor-parallel shard), for the others
+            self._tied_like[g] = next((row[g] for row in gathered if row[g] is not None), self._tied_like[g])
         pp_rank = self.layout.mine[0]
         shared, not_counted = [], set()
         for g, param in enumerate(mine):
@@ -338,7 +360,9 @@ class Pipeline(Strategy):
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.group)
+            param.grad = placed_as_parameter(param.grad, param)
+            # The holders split it alike over their tensor-parallel processes: shard meets matching shard.
+            dist.all_reduce(local(param.grad), group=self.group)
 
     def _average_over_replicas(self) -> None:
         """Data parallel across the pipelines: each stage's gradients averaged over its copies, in one
@@ -349,7 +373,7 @@ class Pipeline(Strategy):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [cast(torch.Tensor, p.grad) for p in params]
+        grads = [local(cast(torch.Tensor, p.grad)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.replicas)
         flat /= self.dims.dp_replicate
@@ -359,19 +383,18 @@ class Pipeline(Strategy):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad.detach() for p in self._counted if p.grad is not None]
         device = next(self.module.parameters()).device
-        squares = torch.zeros((), device=device)
-        if grads:
-            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        squares = grad_norm(grads).to(device).pow(2)  # over this stage's shards (tensor parallel)
         dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as nn.utils.clip_grad_norm_
         for p in self.module.parameters():
             if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+                local(p.grad).mul_(scale.to(p.grad.dtype))
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model on rank 0: each stage's tensors sent to it one at a time."""
+        """The whole model on rank 0: each stage's tensors sent to it one at a time (a tensor-parallel one
+        gathered whole first, by its stage's processes together)."""
         state = {k: v.detach() for k, v in self.module.state_dict().items()}
         listings: list[Any] = [None] * self.layout.pp
         listing = [(k, tuple(v.shape), str(v.dtype)) for k, v in state.items()]
@@ -382,19 +405,56 @@ class Pipeline(Strategy):
             for name, shape, dtype in listing:
                 if name in full or (owner > 0 and any(name in {n for n, _, _ in listings[o]} for o in range(owner))):
                     continue  # held by an earlier stage too (a tied copy): taken from there
+                value = state[name] if here == owner else None
+                if value is not None and isinstance(value, DTensor):  # a collective of the stage's tp group
+                    value = value.full_tensor()
                 if owner == here == 0:
-                    full[name] = state[name].cpu()
+                    full[name] = cast(torch.Tensor, value).cpu() if main else cast(torch.Tensor, value).new_empty(0)
                 elif here == owner:
-                    dist.send(state[name].contiguous(), dst=self.ranks[0])
+                    dist.send(cast(torch.Tensor, value).contiguous(), dst=self.ranks[0])
                 elif here == 0:
-                    full[name] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
-                    dist.recv(full[name], src=self.ranks[owner])
+                    received = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    dist.recv(received, src=self.ranks[owner])
+                    full[name] = received if main else received.new_empty(0)
         if not main:
             return None
         for names in self._tied_groups:  # one tensor under every name, as the whole model's state dict has it
             held = next((full[n] for n in names if n in full), None)
             full.update(dict.fromkeys(names, held) if held is not None else {})
         return {name: full[name] for name in self.whole_names if name in full}
+
+
+def parallelize_stage(part: nn.Module, mesh: Any, tp_rank: int, plan: Mapping[str, Any] | None = None) -> None:
+    """Split this process's part of the model over `mesh` (the stage's tensor-parallel processes) by
+    `plan`, else the model's own, leaving out what the stage does not hold (the ends set to None); under
+    the model's own plan, its dropout moves onto this tp rank's stream (dropout.py)."""
+    from dtrain.parallel import dropout, tensor
+
+    found = tensor.problem(part, mesh.size(), plan)
+    if found:
+        raise ConfigError(found)
+    if plan is None and not callable(getattr(part, "tp_plan", None)):
+        raise ConfigError(
+            f"distributed.pp_size > 1 with distributed.tp_size = {mesh.size()} splits each stage by a plan given "
+            f"as Trainer(tp_plan=...) or the model's tp_plan() method, and {type(part).__name__} has neither; "
+            f"{tensor.HOW}"
+        )
+    whole = dict(plan) if plan is not None else part.tp_plan()  # type: ignore[operator]
+    tensor.parallelize(part, mesh, {k: v for k, v in whole.items() if _held(part, k)})
+    if plan is None:
+        dropout.own_streams(part, tp_rank)
+
+
+def _held(part: nn.Module, pattern: str) -> bool:
+    """Whether the stage holds the module `pattern` names (its parts before any wildcard)."""
+    node: Any = part
+    for atom in pattern.split("."):
+        if "*" in atom:
+            return node is not None and len(node._modules) > 0
+        node = node._modules.get(atom) if isinstance(node, nn.Module) else None
+        if node is None:
+            return False
+    return True
 
 
 def _tied_names(module: nn.Module) -> list[list[str]]:
