@@ -120,23 +120,21 @@ def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(toke
     assert_weights_close(weights(tmp_path / "whole"), weights(run_dir), atol=0, rtol=0)
 
 
-def test_two_pipelines_of_two_stages_train_as_one_process_of_both_batches(tokens, tmp_path):
-    """pp 2 × dp 2 (4 processes, each stage replicated over 2): one process with both replicas' samples."""
-    ok(dtrain(*job(tokens, tmp_path / "one", nproc=1, batch=8)))
-    ok(dtrain(*job(tokens, tmp_path / "pp2dp2", "distributed.pp_schedule=1f1b", nproc=4)))
-    assert_same_run(tmp_path / "one", tmp_path / "pp2dp2")
-
-
-def test_pipeline_stages_split_over_tensor_parallel_train_as_one_process(one_process, tokens, tmp_path):
-    """pp 2 × tp 2 (4 processes): each stage's layers split over 2; the tied embedding and head summed
-    shard by shard across the stages, the norm over stages and shards, the weights gathered whole."""
-    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", "distributed.pp_schedule=1f1b", nproc=4)))
+def test_two_pipelines_of_two_stages_train_as_one_process(one_process, tokens, tmp_path):
+    """pp 2 × dp 2 (4 processes, each stage replicated over 2), each replica taking half of one process's
+    batch: the stages' gradients averaged over their copies."""
+    ok(dtrain(*job(tokens, tmp_path, "distributed.pp_schedule=1f1b", nproc=4, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 
-def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, tmp_path):
-    """3-D: pp 2 × dp 2 × tp 2 (8 tiny processes), each replica taking half of one process's batch."""
-    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", nproc=8, batch=2)))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, tmp_path, strategy):
+    """3-D: pp 2 × dp 2 × tp 2 (8 tiny processes), each replica taking half of one process's batch. Each
+    stage's layers split over its 2 tp processes; under ddp the stages are replicated (their gradients
+    averaged by the pipeline), under fsdp sharded over the 2 replicas as well (FSDP2 after TP, on one
+    mesh). The tied embedding and head are summed shard by shard across the stages, the norm taken over
+    stages and shards, the weights gathered whole."""
+    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", f"distributed.strategy={strategy}", nproc=8, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 
@@ -158,11 +156,18 @@ def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, t
             "distributed.pp_stages_per_rank = 2 needs distributed.pp_schedule = 'interleaved_1f1b' ('1f1b' "
             "runs one stage per process); set it to 1",
         ),
+        (
+            ["distributed.strategy=fsdp", "distributed.pp_schedule=interleaved_1f1b"],
+            "distributed.pp_schedule = 'interleaved_1f1b' holds 2 stages per process, and distributed.strategy "
+            "= 'fsdp' shards one stage per process; use distributed.pp_schedule=1f1b (or gpipe), or "
+            "distributed.strategy=ddp",
+        ),
     ],
 )
 def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(tokens, tmp_path, overrides, message):
     pp = 8 if "distributed.pp_size=8" in overrides else 2
-    result = dtrain(*job(tokens, tmp_path, *overrides, nproc=pp, pp=pp))
+    nproc = 2 * pp if "distributed.strategy=fsdp" in overrides else pp  # 2 data-parallel processes to shard over
+    result = dtrain(*job(tokens, tmp_path, *overrides, nproc=nproc, pp=pp))
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]
     assert not (tmp_path / "metrics.jsonl").exists()

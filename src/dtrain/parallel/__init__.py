@@ -179,11 +179,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
             f"distributed.pp_size = {dims.pp} with model.name = '{config.model.name}': a Hugging Face model's "
             f"forward does not pass over the blocks a pipeline stage lacks; set distributed.pp_size=1"
         )
-    if dims.dp_shard > 1:
+    if dims.dp_shard > 1 and config.distributed.stages_per_rank > 1:
         return (
-            f"distributed.pp_size = {dims.pp} with distributed.strategy = '{config.distributed.strategy}': "
-            f"sharding inside pipeline stages is not built yet; use distributed.strategy=ddp (each stage "
-            f"replicated over the {dims.dp} data-parallel processes)"
+            f"distributed.pp_schedule = 'interleaved_1f1b' holds {config.distributed.stages_per_rank} stages per "
+            f"process, and distributed.strategy = '{config.distributed.strategy}' shards one stage per process; "
+            f"use distributed.pp_schedule=1f1b (or gpipe), or distributed.strategy=ddp"
         )
     if tc.grad_accum_steps < dims.pp:
         return (

@@ -3,27 +3,22 @@ global gradient norm, and the whole weights gathered one tensor at a time."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """The global norm over every shard, clipped to `max_norm`; returned as a plain tensor. DTensor
-    gradients' norms are reduced over their meshes; plain ones (parameters a plan left whole, the same on
-    every rank of their group) count once. torch's own clip refuses the two mixed."""
+    """The global norm over every shard, clipped to `max_norm`; returned as a plain tensor. torch's own
+    clip refuses DTensor and plain gradients mixed (parameters a plan left whole)."""
     params = [p for p in module.parameters() if p.grad is not None]
-    groups = [
+    total = grad_norm([cast(torch.Tensor, p.grad) for p in params])
+    for group in (
         [p for p in params if isinstance(p.grad, DTensor)],
         [p for p in params if not isinstance(p.grad, DTensor)],
-    ]
-    norms = []
-    for group in groups:
-        if group:
-            norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    for group in groups:
+    ):
         if group:
             nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
@@ -49,7 +44,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
         if group:
             norm = nn.utils.get_total_norm(group)
-            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 

@@ -11,7 +11,7 @@ groups, a 2-D device mesh (replicate, shard).
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from dtrain.parallel.blocks import check_unshared
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import clip_grad_norm, gathered_state_dict
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class FSDP(Strategy):
     forward_is_collective = True
@@ -34,37 +37,9 @@ class FSDP(Strategy):
 
     def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, units: list[nn.Module]):
         super().__init__(module, dims)
-        dc = config.distributed
         self.mesh = dims.dp_mesh(session.device.type)
-        offload = OffloadPolicy()  # fully_shard's default: none
-        if dc.fsdp_cpu_offload:
-            if session.device.type != "cuda":
-                raise ConfigError(
-                    "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
-                    "the CPU, and this job trains on the CPU already; set it to false"
-                )
-            offload = CPUOffloadPolicy(pin_memory=session.device.type == "cuda")
-        precision = _precision_policy(config.training.precision)
-        check_unshared(module, units)
-        for i, unit in enumerate(units):
-            # The last block's parameters would be gathered again at once, backward starting where the
-            # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
-            last = i == len(units) - 1
-            reshard = dc.reshard_after_forward and not last
-            fully_shard(
-                unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload
-            )
-        fully_shard(
-            module,
-            mesh=self.mesh,
-            reshard_after_forward=dc.reshard_after_forward,
-            mp_policy=precision,
-            offload_policy=offload,
-        )
+        shard(module, units, self.mesh, config, session.device)
         self.units = len(units)
-        # A model built on the meta device: each rank's shards get memory now, where they live (the CPU
-        # with offload), and the weights the run starts from fill them.
-        deferred.materialise(module, torch.device("cpu") if dc.fsdp_cpu_offload else session.device)
 
     def sync_gradients(self, enabled: bool) -> None:
         # Off: backward keeps unsharded gradients and skips the reduce-scatter (and HSDP's all-reduce).
@@ -75,6 +50,34 @@ class FSDP(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return gathered_state_dict(self.module, self.mesh.get_rank() == 0)
+
+
+def shard(module: nn.Module, units: list[nn.Module], mesh: DeviceMesh, config: Config, device: torch.device) -> None:
+    """`fully_shard` each of `units` (the blocks), then `module` (what is left: embeddings, norm, head)
+    over `mesh`; a model built on the meta device then gets memory for each rank's shards."""
+    dc = config.distributed
+    offload = OffloadPolicy()  # fully_shard's default: none
+    if dc.fsdp_cpu_offload:
+        if device.type != "cuda":
+            raise ConfigError(
+                "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
+                "the CPU, and this job trains on the CPU already; set it to false"
+            )
+        offload = CPUOffloadPolicy(pin_memory=True)
+    precision = _precision_policy(config.training.precision)
+    check_unshared(module, units)
+    for i, unit in enumerate(units):
+        # The last block's parameters would be gathered again at once, backward starting where the
+        # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
+        last = i == len(units) - 1
+        reshard = dc.reshard_after_forward and not last
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload)
+    fully_shard(
+        module, mesh=mesh, reshard_after_forward=dc.reshard_after_forward, mp_policy=precision, offload_policy=offload
+    )
+    # A model built on the meta device: each rank's shards get memory now, where they live (the CPU
+    # with offload), and the weights the run starts from fill them.
+    deferred.materialise(module, torch.device("cpu") if dc.fsdp_cpu_offload else device)
 
 
 def _precision_policy(precision: str) -> MixedPrecisionPolicy:

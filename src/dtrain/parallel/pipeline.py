@@ -162,6 +162,8 @@ def split_model(module: nn.Module, list_name: str, layout: _Layout) -> tuple[nn.
     setattr(part.get_submodule(parent) if parent else part, leaf, KeptBlocks({i: listed[i] for i in held}))
     for fqn in layout.dropped(layout.mine):
         _set_none(part, fqn)
+    if len(layout.mine) == 1:  # one stage: the part is its view (what FSDP inside the stage needs)
+        return part, [part]
     views = []
     for stage in layout.mine:
         view = node = _shallow(part)
@@ -245,13 +247,13 @@ class Pipeline(Strategy):
         observer: CommObserver,
         tp_plan: Mapping[str, Any] | None = None,
     ):
-        if dims.dp_shard != 1:  # the factory's promise (pipeline_problem): stages are replicated, not sharded
-            raise ValueError(f"pipeline stages are replicated over the data-parallel processes; got {dims}")
         dc = config.distributed
+        sharded = dims.dp_shard > 1  # FSDP inside each stage (one stage per process: pipeline_problem)
         mesh = dims.world_mesh(session.device.type)
         self.group = mesh["pp"].get_group()
         # The copies of this stage on the other data-parallel processes, whose gradients it averages with.
-        self.replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+        # Under FSDP its reduce-scatter (HSDP's all-reduce too) averages them instead.
+        self.replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 and not sharded else None
         self.ranks = dist.get_process_group_ranks(self.group)
         pp_rank = mesh["pp"].get_local_rank()
         list_name, listed = block_list(module, config.model.blocks)
@@ -269,7 +271,12 @@ class Pipeline(Strategy):
             parallelize_stage(part, mesh["tp"], dims.coordinate(session.rank)["tp"], tp_plan)
         # Checkpointing and compiling block by block, on this process's blocks only (after the copy:
         # they replace each block's forward in place).
-        blocks.apply_block_options(part, config, session.device, sharded=False, quiet=session.rank != 0)
+        units = blocks.apply_block_options(part, config, session.device, sharded=sharded, quiet=session.rank != 0)
+        if sharded:  # then FSDP over the stage's data-parallel processes, torchtitan's order
+            from dtrain.parallel import fsdp
+
+            fsdp.shard(part, units, dims.dp_mesh(session.device.type), config, session.device)
+            self.shards_state = self.comm_in_compute = True
         self.first, self.last = 0 in self.layout.mine, self.layout.n_stages - 1 in self.layout.mine
         super().__init__(part, dims)
         # What checkpoints may hold beyond this stage's names: the rest of the whole model (parts.py).
@@ -383,7 +390,7 @@ class Pipeline(Strategy):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad.detach() for p in self._counted if p.grad is not None]
         device = next(self.module.parameters()).device
-        squares = grad_norm(grads).to(device).pow(2)  # over this stage's shards (tensor parallel)
+        squares = grad_norm(grads).to(device, torch.float32).pow(2)  # over this stage's shards (tensor parallel)
         dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as nn.utils.clip_grad_norm_
