@@ -48,6 +48,14 @@ LAYOUTS = {
     "ddp2": ("2", "training.grad_accum_steps=2"),
     "fsdp4": ("4", "training.grad_accum_steps=1", "distributed.strategy=fsdp"),
     "pp2": ("2", "training.grad_accum_steps=4", "distributed.pp_size=2"),
+    # HSDP × TP: 2 replicas of shard groups of 2, each rank's layers split over 2 (8 processes)
+    "hsdp2x2_tp2": (
+        "8",
+        "training.grad_accum_steps=1",
+        "distributed.tp_size=2",
+        "distributed.strategy=hsdp",
+        "distributed.hsdp_shard_size=2",
+    ),
 }
 
 
@@ -128,14 +136,19 @@ def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("before, after", [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4")])
+@pytest.mark.parametrize(
+    "before, after",
+    [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4"), ("fsdp4", "fsdp2_tp2"), ("ddp2", "hsdp2x2_tp2")],
+)
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, before, after):
-    """Stopped at step 3 under one layout, resumed under the other (DCP reshards the DTensor shards): the
-    same global samples, the losses, eval loss and weights of the run that never stopped."""
+    """Stopped at step 3 under one layout, resumed under the other (DCP reshards the DTensor shards, or
+    splits whole tensors into them): the same global samples, the losses, eval loss and weights of the
+    run that never stopped. The last pair trains HSDP × TP (2 × 2 × 2 processes) for its second half."""
     ok(launch(json_byte_tokens, tmp_path, before, "training.stop_at_step=3"))
     resumed = ok(launch(json_byte_tokens, tmp_path, after))
     assert "resumed from " in resumed.stderr and "(step 3 of 6" in resumed.stderr, resumed.stderr
-    assert "distributed.tp_size 2 → 1" in resumed.stderr  # the layout's change said
+    change = "2 → 1" if "tp2" in before else "1 → 2"
+    assert f"distributed.tp_size {change}" in resumed.stderr  # the layout's change said
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))
     assert_same_training(runs / "one", tmp_path)
 
