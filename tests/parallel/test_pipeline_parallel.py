@@ -173,6 +173,26 @@ def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(token
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
+    """GPT-2 small (on the meta device): its head multiplies by 768 × 50257 weights, about 5.5 blocks'
+    worth, so 2 stages take 9 and 3 blocks, not 6 and 6; blocks of equal cost with free ends split by
+    count, the first stages taking one more; every stage holds a block."""
+    import torch
+
+    from dtrain.models.gpt import GPT
+    from dtrain.parallel.pipeline import _Layout, cost, stage_sizes
+
+    with torch.device("meta"):
+        gpt2 = GPT(50257, 1024, n_layer=12, n_head=12, n_embd=768)
+    assert cost(gpt2.h[0]) == 12 * 768 * 768 + 2 * 768  # its linear layers, and the two norms' scales
+    assert cost(gpt2.wte) == 0 and cost(gpt2.lm_head) == 768 * 50257  # a lookup; the tied head multiplies
+    sizes = [len(blocks) for blocks in _Layout(gpt2, "h", 12, 2, 0, 1).blocks_of]
+    assert sizes == [9, 3]
+    assert stage_sizes([1] * 7, 3) == [3, 2, 2] and stage_sizes([1] * 8, 4) == [2, 2, 2, 2]
+    assert stage_sizes([1] * 4, 2, last=10) == [3, 1]  # a head heavier than every block: one block left
+    assert stage_sizes([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+
+
 @pytest.mark.parametrize("pp, per_rank", [(2, 1), (2, 2), (3, 1)])
 def test_stages_keep_the_whole_model_s_names_and_chain_to_its_forward(pp, per_rank):
     """Split in one process: every name of the whole model on exactly the stages that hold it (a tied

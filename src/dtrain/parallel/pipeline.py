@@ -1,7 +1,9 @@
 """Pipeline parallel (`torch.distributed.pipelining`): each process holds a run of the model's blocks.
 
-The model's blocks (blocks.py finds them; they must be the entries of one `nn.ModuleList`) are cut by
-count into `pp_size × stages_per_rank` stages; pipeline process p holds stages p, p + pp_size, ...
+The model's blocks (blocks.py finds them; they must be the entries of one `nn.ModuleList`) are cut into
+`pp_size × stages_per_rank` stages of about equal cost (`stage_sizes`: multiply-adds per token counted
+from the layers' weights, so the last stage, which holds the head, takes fewer blocks; attention's cost
+in the window length is left out); pipeline process p holds stages p, p + pp_size, ...
 (more than one only when interleaving). As torchtitan splits a model: a copy with the blocks of other
 stages deleted and the modules before the blocks (embeddings) kept on the first stage only, those after
 them (final norm, head) on the last only, the rest set to None. Every parameter keeps the whole model's
@@ -25,6 +27,8 @@ tp), each stage averages its gradients over its replicas itself, once per step.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -47,10 +51,47 @@ from dtrain.parallel.observer import CommObserver
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def stage_sizes(n_blocks: int, n_stages: int) -> list[int]:
-    """Blocks per stage, as even as counts allow (the first stages take one more)."""
-    base, extra = divmod(n_blocks, n_stages)
-    return [base + (1 if i < extra else 0) for i in range(n_stages)]
+def cost(module: nn.Module | None) -> int:
+    """What `module` costs per token, in multiply-adds: the parameters of its layers that multiply (an
+    embedding's are looked up, for free; a head tied to it multiplies by them all the same)."""
+    if module is None:
+        return 0
+    return sum(
+        p.numel() for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    )
+
+
+def stage_sizes(costs: list[int], n_stages: int, first: int = 0, last: int = 0) -> list[int]:
+    """Blocks per stage (at least one each, in order) so that the costliest stage costs least: `costs` per
+    block, `first` and `last` what the first and last stages hold beside their blocks (embeddings; final
+    norm and head, which in a GPT weigh several blocks). Of the splits as good, the most even (least sum
+    of squared costs), then the one giving earlier stages more (equal blocks, free ends: the first
+    stages take one more)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def load(i: int, j: int, stage: int) -> int:  # blocks i..j-1 as stage `stage`
+        return prefix[j] - prefix[i] + (first if stage == 0 else 0) + (last if stage == n_stages - 1 else 0)
+
+    @functools.cache
+    def best(i: int, stage: int, bound: int) -> tuple[float, tuple[int, ...]]:
+        """Blocks i.. over stages stage..: (the least sum of squares within `bound`, the sizes)."""
+        if stage == n_stages - 1:
+            fine = i < n and load(i, n, stage) <= bound
+            return (float(load(i, n, stage)) ** 2 if fine else math.inf), (n - i,)
+        found: tuple[float, tuple[int, ...]] = (math.inf, ())
+        for j in range(n - n_stages + stage + 1, i, -1):  # more blocks first: kept on a tie
+            if load(i, j, stage) <= bound:
+                rest, sizes = best(j, stage + 1, bound)
+                if float(load(i, j, stage)) ** 2 + rest < found[0]:
+                    found = (float(load(i, j, stage)) ** 2 + rest, (j - i, *sizes))
+        return found
+
+    bounds = sorted({load(i, j, s) for s in range(n_stages) for i in range(n) for j in range(i + 1, n + 1)})
+    bound = next(b for b in bounds if best(0, 0, b)[0] < math.inf)
+    return list(best(0, 0, bound)[1])
 
 
 def bubble(pp: int, micro_batches: int, per_rank: int = 1) -> float:
@@ -118,9 +159,6 @@ class _Layout:
     def __init__(self, module: nn.Module, list_name: str, n_blocks: int, pp: int, pp_rank: int, per_rank: int):
         self.path = list_name.split(".")
         self.n_stages = pp * per_rank
-        sizes = stage_sizes(n_blocks, self.n_stages)
-        starts = [sum(sizes[:s]) for s in range(self.n_stages)]
-        self.blocks_of = [list(range(starts[s], starts[s] + sizes[s])) for s in range(self.n_stages)]
         self.mine = [pp_rank + k * pp for k in range(per_rank)]  # this process's stages, in order
         self.pp = pp
         # The modules beside the blocks' list and beside each of its ancestors: before it, the first
@@ -134,6 +172,12 @@ class _Layout:
             self.before += [prefix + n for n in names[:at]]
             self.after += [prefix + n for n in names[at + 1 :]]
             node, prefix = cast(nn.Module, node._modules[part]), prefix + part + "."
+        # Stages of equal cost, not of equal count: the stage with the head takes fewer blocks.
+        listed = cast(nn.ModuleList, module.get_submodule(list_name))
+        ends = [sum(cost(module.get_submodule(n)) for n in names) for names in (self.before, self.after)]
+        sizes = stage_sizes([cost(b) for b in listed][:n_blocks], self.n_stages, *ends)
+        starts = [sum(sizes[:s]) for s in range(self.n_stages)]
+        self.blocks_of = [list(range(starts[s], starts[s] + sizes[s])) for s in range(self.n_stages)]
 
     def dropped(self, stages: list[int]) -> list[str]:
         """The ends that `stages` together do not hold."""
