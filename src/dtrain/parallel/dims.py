@@ -138,7 +138,12 @@ class ParallelDims:
             data = "dp_shard" if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"
             used = [name for name in ORDER if getattr(self, name) > 1 or name == data]
             shape = tuple(getattr(self, name) for name in used)
-            self._meshes[device_type] = init_device_mesh(device_type, shape, mesh_dim_names=tuple(used))
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(used))
+            if self.dp_shard > 1 and self.tp > 1 and self.cp == 1:
+                # FSDP × TP gradients' norms are partial over both: one all-reduce over the flattened pair
+                # rather than two in turn (DTensor looks for it, and warns on every rank without it).
+                mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+            self._meshes[device_type] = mesh
         return self._meshes[device_type]
 
     def dp_mesh(self, device_type: str) -> DeviceMesh:

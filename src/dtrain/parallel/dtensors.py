@@ -3,6 +3,7 @@ global gradient norm, and the whole weights gathered one tensor at a time."""
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import torch
@@ -48,6 +49,21 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """`value` whole: a DTensor gathered from its shards (a collective of its mesh), else itself. FSDP × TP
+    shards can only be gathered one dimension after the other, which torch warns about on every rank;
+    for the one gather of final weights that is the price, not a fault, so the warning is kept back."""
+    if not isinstance(value, DTensor):
+        return value
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return value.full_tensor()
+    finally:
+        log.setLevel(level)
+
+
 def gathered_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor] | None:
     """The whole model's weights, gathered one tensor at a time (a collective per DTensor): a rank never
     holds more than one full parameter beyond its shards; `main` keeps each on the CPU, the others
@@ -58,7 +74,7 @@ def gathered_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor
         local = value.to_local() if isinstance(value, DTensor) else value
         same = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
         if same not in gathered:  # state_dict() detaches: a tied parameter shows as two objects
-            tensor = value.full_tensor() if isinstance(value, DTensor) else value
+            tensor = whole(value)
             gathered[same] = tensor.detach().cpu() if main else tensor.new_empty(0)
         full[name] = gathered[same]
     return full if main else None

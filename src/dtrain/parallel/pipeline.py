@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config
 from dtrain.data.batch import split
@@ -45,7 +44,7 @@ from dtrain.errors import ConfigError, DtrainError
 from dtrain.parallel import blocks
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.dims import ParallelDims
-from dtrain.parallel.dtensors import grad_norm, local, placed_as_parameter
+from dtrain.parallel.dtensors import grad_norm, local, placed_as_parameter, whole
 from dtrain.parallel.observer import CommObserver
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -457,8 +456,8 @@ class Pipeline(Strategy):
                 if name in full or (owner > 0 and any(name in {n for n, _, _ in listings[o]} for o in range(owner))):
                     continue  # held by an earlier stage too (a tied copy): taken from there
                 value = state[name] if here == owner else None
-                if value is not None and isinstance(value, DTensor):  # a collective of the stage's tp group
-                    value = value.full_tensor()
+                if value is not None:  # a DTensor: a collective of the stage's tp (and dp) processes
+                    value = whole(value)
                 if owner == here == 0:
                     full[name] = cast(torch.Tensor, value).cpu() if main else cast(torch.Tensor, value).new_empty(0)
                 elif here == owner:
