@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint.state import whole_model_names
 from dtrain.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -117,7 +118,7 @@ def load_into(module: Any, source: Source, is_main: bool) -> None:
     state = module.state_dict()
     names = distributed.rank0_decides(lambda: check_fit(module, source), is_main=is_main)
     assert names is not None
-    if hasattr(module, "pipeline_whole_names"):  # a pipeline stage's part: its own names, not rank 0's
+    if whole_model_names(module):  # a pipeline stage's part: its own names, not rank 0's
         names = check_fit(module, source)
     if source.checkpoint is not None:
         _read_checkpoint(source.checkpoint, state, _checkpoint_names(source.checkpoint)[1])
@@ -335,7 +336,7 @@ def _fit(
             shapes.append(f"{name} {list(stored[found])} in the file, {list(tensor.shape)} in the model")
     used = set(names.values())
     # A pipeline stage's part of the model (parallel/pipeline.py) reads its own names of the whole model's.
-    others: frozenset[str] = getattr(module, "pipeline_whole_names", frozenset())
+    others = whole_model_names(module)
     unexpected = [n for n in stored if n not in used and n not in others]
     problems = [
         f"{what} {_first(items)}"

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dtrain.checkpoint.formats import FLAT_NAMES
 from dtrain.checkpoint.rng import device_of, load_rng, save_rng
-from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts
+from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, whole_model_names
 from dtrain.checkpoint.store import CheckpointError
 from dtrain.files import fsync_file
 
@@ -132,7 +132,7 @@ class ModelPart(Part):
     def targets(self, saved: Saved) -> dict[str, Any]:
         state = self._state()
         # A pipeline stage holds part of the model: the checkpoint's other names are the other stages'.
-        _check_model(saved, state, getattr(self.module, "pipeline_whole_names", frozenset()))
+        _check_model(saved, state, whole_model_names(self.module))
         return state
 
     def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:

@@ -187,3 +187,9 @@ def regroup(
 
 def processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def whole_model_names(module: Any) -> frozenset[str]:
+    """Where `module` is a pipeline stage's part of the model (parallel/pipeline.py marks it so), every
+    name of the whole model: a checkpoint or weights file also holds the other stages'. Else empty."""
+    return getattr(module, "pipeline_whole_names", frozenset())
