@@ -3,6 +3,7 @@ work timed on real processes, its idle share of the step beside the schedule's t
 
     python benchmarks/bubble.py                         # 4 blocks, 4 micro-batches, 2 rounds
     python benchmarks/bubble.py --layers 8 --rounds 3   # more blocks: the head weighs less
+    python benchmarks/bubble.py --schedules 1f1b --splits cost,count   # cut by cost or by count
 
 dtrain's own `pp_bubble` (console, metrics.jsonl, TensorBoard, `dtrain report`) is the schedule's theory,
 (p−1)/(v·m+p−1), not a measurement. Here each worker trains the built-in GPT of W2
@@ -13,8 +14,9 @@ dtrain's own `pp_bubble` (console, metrics.jsonl, TensorBoard, `dtrain report`) 
 gives the mean over the steps after the first `--warmup` and over both stages, and each stage's. What
 a stage does outside those actions (waiting on sends and receives) counts as idle, as it does in the
 theory, which counts only the schedule's shape. The last stage also holds the final norm, the head and
-the loss: with few blocks it is the slower one and the first waits on it (more than theory); with more
-blocks (`--layers`) the stages weigh nearly the same.
+the loss: cut by count (`--splits count`) it is the slower one and the first waits on it (more idle
+than theory); cut by cost (dtrain's default) it takes fewer blocks, as far as whole blocks allow — the
+more blocks (`--layers`), the closer the stages' costs.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def timed(steps: list[dict]) -> None:
     wrap(schedules._PipelineSchedule, "_maybe_compute_loss", "busy")  # the last stage's loss is its work
 
 
-def worker(schedule: str, layers: int, micro: int, steps: int, warmup: int, data: Path, out: Path) -> None:
+def worker(schedule: str, split: str, layers: int, micro: int, steps: int, warmup: int, data: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
@@ -78,7 +80,7 @@ def worker(schedule: str, layers: int, micro: int, steps: int, warmup: int, data
             "run": {"dir": str(out.parent / "run"), "seed": SEED},
             "data": {"batch_size": BATCH},
             "optimizer": {"name": "adamw", "lr": LR},
-            "distributed": {"pp_size": 2, "pp_schedule": schedule},
+            "distributed": {"pp_size": 2, "pp_schedule": schedule, "pp_split": split},
             "training": {"epochs": 1, "max_steps": steps, "log_every": steps, "grad_accum_steps": micro},
         }
     )
@@ -99,28 +101,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the measurement")
-    parser.add_argument("--layers", type=int, default=4, help="the GPT's blocks, split evenly over the stages")
+    parser.add_argument("--layers", type=int, default=4, help="the GPT's blocks, cut into the stages")
     parser.add_argument("--micro-batches", type=int, default=4, help="training.grad_accum_steps")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="from: " + ", ".join(SCHEDULES))
+    parser.add_argument("--splits", default="cost,count", help="distributed.pp_split: from cost, count")
     parser.add_argument("--data", type=Path, default=Path("data/stdlib"), help="a `dtrain prepare` folder")
     parser.add_argument("--worker", choices=SCHEDULES, help=argparse.SUPPRESS)
+    parser.add_argument("--split", default="cost", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.layers, args.micro_batches, args.steps, args.warmup, args.data, args.out)
+        worker(args.worker, args.split, args.layers, args.micro_batches, args.steps, args.warmup, args.data, args.out)
         return
     if not (args.data / "meta.json").exists():
         subprocess.run(
             [sys.executable, "-m", "dtrain", "prepare", "text", "--python-stdlib", "--out", str(args.data)], check=True
         )
-    chosen = args.schedules.split(",")
-    idle: dict[str, list[list[float]]] = {s: [] for s in chosen}
+    chosen = [(schedule, split) for schedule in args.schedules.split(",") for split in args.splits.split(",")]
+    idle: dict[tuple[str, str], list[list[float]]] = {c: [] for c in chosen}
     for round_ in range(args.rounds):
-        for schedule in chosen:
+        for schedule, split in chosen:
             result = run_workers(
                 __file__,
                 "--worker",
                 schedule,
+                "--split",
+                split,
                 "--layers",
                 str(args.layers),
                 "--micro-batches",
@@ -133,21 +139,20 @@ def main() -> None:
                 str(args.data.absolute()),
                 nproc=2,
             )
-            idle[schedule].append(result["idle"])
+            idle[schedule, split].append(result["idle"])
             shares = ", ".join(f"{x:.0%}" for x in result["idle"])
-            print(f"round {round_ + 1}/{args.rounds} {schedule}: idle {shares}", file=sys.stderr, flush=True)
+            print(f"round {round_ + 1}/{args.rounds} {schedule} {split}: idle {shares}", file=sys.stderr, flush=True)
     p, m = 2, args.micro_batches
     print(f"{args.layers} blocks, {p} stages, {m} micro-batches, {args.rounds} rounds")
-    print("| schedule | theory | measured (mean of stages, median of rounds) | runs spread | stage 0 | stage 1 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for schedule in chosen:
+    print("| schedule | split | theory | measured (mean of stages, median of rounds) | spread | stage 0 | stage 1 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for schedule, split in chosen:
         theory = (p - 1) / (SCHEDULES[schedule] * m + p - 1)
-        means = [statistics.mean(r) for r in idle[schedule]]
-        stages = [statistics.median(r[k] for r in idle[schedule]) for k in range(p)]
+        means = [statistics.mean(r) for r in idle[schedule, split]]
+        stages = [statistics.median(r[k] for r in idle[schedule, split]) for k in range(p)]
         print(
-            f"| {schedule} | {theory:.0%} | {statistics.median(means):.0%} | {min(means):.0%}–{max(means):.0%} | "
-            + " | ".join(f"{x:.0%}" for x in stages)
-            + " |"
+            f"| {schedule} | {split} | {theory:.0%} | {statistics.median(means):.0%} | "
+            f"{min(means):.0%}–{max(means):.0%} | " + " | ".join(f"{x:.0%}" for x in stages) + " |"
         )
 
 

@@ -69,8 +69,11 @@ def test_shuffle_under_random_windows_is_named_in_the_note():
 
 
 def test_pipeline_settings_without_a_pipeline_are_named_in_the_note():
-    result = ok(dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe"))
-    said = 'distributed.pp_schedule = "gpipe" (a pipeline setting; distributed.pp_size = 1)'
+    result = ok(
+        dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe", "distributed.pp_split=count")
+    )
+    why = "(a pipeline setting; distributed.pp_size = 1)"
+    said = f'distributed.pp_schedule = "gpipe" {why}; distributed.pp_split = "count" {why}'
     assert result.stderr.splitlines() == [IDLE + said]
     assert (
         ok(

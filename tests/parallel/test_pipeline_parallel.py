@@ -175,8 +175,8 @@ def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(token
 
 def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
     """GPT-2 small (on the meta device): its head multiplies by 768 × 50257 weights, about 5.5 blocks'
-    worth, so 2 stages take 9 and 3 blocks, not 6 and 6; blocks of equal cost with free ends split by
-    count, the first stages taking one more; every stage holds a block."""
+    worth, so 2 stages take 9 and 3 blocks (6 and 6 under distributed.pp_split = count); blocks of equal
+    cost with free ends split by count, the first stages taking one more; every stage holds a block."""
     import torch
 
     from dtrain.models.gpt import GPT
@@ -188,6 +188,7 @@ def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
     assert cost(gpt2.wte) == 0 and cost(gpt2.lm_head) == 768 * 50257  # a lookup; the tied head multiplies
     sizes = [len(blocks) for blocks in _Layout(gpt2, "h", 12, 2, 0, 1).blocks_of]
     assert sizes == [9, 3]
+    assert [len(blocks) for blocks in _Layout(gpt2, "h", 12, 2, 0, 1, by="count").blocks_of] == [6, 6]
     assert stage_sizes([1] * 7, 3) == [3, 2, 2] and stage_sizes([1] * 8, 4) == [2, 2, 2, 2]
     assert stage_sizes([1] * 4, 2, last=10) == [3, 1]  # a head heavier than every block: one block left
     assert stage_sizes([5, 1, 1, 1, 1, 1], 2) == [1, 5]

@@ -220,7 +220,9 @@ def idle_settings(config: Config) -> list[str]:
     if config.distributed.pp_size == 1:
         why = "a pipeline setting; distributed.pp_size = 1"
         idle += [
-            said("distributed", key, why) for key in ("pp_schedule", "pp_stages_per_rank") if given("distributed", key)
+            said("distributed", key, why)
+            for key in ("pp_schedule", "pp_stages_per_rank", "pp_split")
+            if given("distributed", key)
         ]
     if config.model.name != "mlp" and given("model", "hidden_size"):
         idle.append(said("model", "hidden_size", f"the built-in mlp's width; model.name = {config.model.name}"))

@@ -124,6 +124,11 @@ class DistributedConfig(Section):
     pp_stages_per_rank: int = setting(
         0, "Pipeline stages each process holds (0: 2 under interleaved_1f1b, else 1).", min=0, max=2**10
     )
+    pp_split: Literal["cost", "count"] = setting(
+        "cost",
+        "How the blocks are cut into pipeline stages: cost (about equal multiply-adds a stage: the head's "
+        "stage takes fewer blocks) or count (equal numbers of blocks: closer in memory where the embedding is big).",
+    )
     cp_size: int = setting(
         1,
         "Context parallel on CUDA GPUs: processes each sequence is split over (torch's context_parallel; 1: off).",

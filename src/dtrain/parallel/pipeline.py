@@ -3,7 +3,8 @@
 The model's blocks (blocks.py finds them; they must be the entries of one `nn.ModuleList`) are cut into
 `pp_size × stages_per_rank` stages of about equal cost (`stage_sizes`: multiply-adds per token counted
 from the layers' weights, so the last stage, which holds the head, takes fewer blocks; attention's cost
-in the window length is left out); pipeline process p holds stages p, p + pp_size, ...
+in the window length is left out), or of equal block counts (`distributed.pp_split = count`: memory
+closer to even, where the first stage's embedding is big); pipeline process p holds stages p, p + pp_size, ...
 (more than one only when interleaving). As torchtitan splits a model: a copy with the blocks of other
 stages deleted and the modules before the blocks (embeddings) kept on the first stage only, those after
 them (final norm, head) on the last only, the rest set to None. Every parameter keeps the whole model's
@@ -155,7 +156,9 @@ class KeptBlocks(nn.Module):
 class _Layout:
     """Which blocks and ends each stage holds, and which stages this pipeline process holds."""
 
-    def __init__(self, module: nn.Module, list_name: str, n_blocks: int, pp: int, pp_rank: int, per_rank: int):
+    def __init__(
+        self, module: nn.Module, list_name: str, n_blocks: int, pp: int, pp_rank: int, per_rank: int, by: str = "cost"
+    ):
         self.path = list_name.split(".")
         self.n_stages = pp * per_rank
         self.mine = [pp_rank + k * pp for k in range(per_rank)]  # this process's stages, in order
@@ -171,10 +174,13 @@ class _Layout:
             self.before += [prefix + n for n in names[:at]]
             self.after += [prefix + n for n in names[at + 1 :]]
             node, prefix = cast(nn.Module, node._modules[part]), prefix + part + "."
-        # Stages of equal cost, not of equal count: the stage with the head takes fewer blocks.
+        # By cost (distributed.pp_split): the stage with the head takes fewer blocks; by count, as many.
         listed = cast(nn.ModuleList, module.get_submodule(list_name))
-        ends = [sum(cost(module.get_submodule(n)) for n in names) for names in (self.before, self.after)]
-        sizes = stage_sizes([cost(b) for b in listed][:n_blocks], self.n_stages, *ends)
+        if by == "cost":
+            ends = [sum(cost(module.get_submodule(n)) for n in names) for names in (self.before, self.after)]
+            sizes = stage_sizes([cost(b) for b in listed][:n_blocks], self.n_stages, *ends)
+        else:
+            sizes = stage_sizes([1] * n_blocks, self.n_stages)
         starts = [sum(sizes[:s]) for s in range(self.n_stages)]
         self.blocks_of = [list(range(starts[s], starts[s] + sizes[s])) for s in range(self.n_stages)]
 
@@ -304,7 +310,7 @@ class Pipeline(Strategy):
         if problem:
             raise ConfigError(problem)
         self.whole_names = list(module.state_dict())
-        self.layout = _Layout(module, list_name, len(listed), dims.pp, pp_rank, dc.stages_per_rank)
+        self.layout = _Layout(module, list_name, len(listed), dims.pp, pp_rank, dc.stages_per_rank, dc.pp_split)
         self._tied_groups = tied = _tied_names(module)
         whole = dict(module.named_parameters(remove_duplicate=False))
         # The shapes of each tied group, for a process that holds none of it.
