@@ -180,15 +180,15 @@ def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
     import torch
 
     from dtrain.models.gpt import GPT
-    from dtrain.parallel.pipeline import _Layout, cost, stage_sizes
+    from dtrain.parallel.stages import Layout, cost, stage_sizes
 
     with torch.device("meta"):
         gpt2 = GPT(50257, 1024, n_layer=12, n_head=12, n_embd=768)
     assert cost(gpt2.h[0]) == 12 * 768 * 768 + 2 * 768  # its linear layers, and the two norms' scales
     assert cost(gpt2.wte) == 0 and cost(gpt2.lm_head) == 768 * 50257  # a lookup; the tied head multiplies
-    sizes = [len(blocks) for blocks in _Layout(gpt2, "h", 12, 2, 0, 1).blocks_of]
+    sizes = [len(blocks) for blocks in Layout(gpt2, "h", 12, 2, 0, 1).blocks_of]
     assert sizes == [9, 3]
-    assert [len(blocks) for blocks in _Layout(gpt2, "h", 12, 2, 0, 1, by="count").blocks_of] == [6, 6]
+    assert [len(blocks) for blocks in Layout(gpt2, "h", 12, 2, 0, 1, by="count").blocks_of] == [6, 6]
     assert stage_sizes([1] * 7, 3) == [3, 2, 2] and stage_sizes([1] * 8, 4) == [2, 2, 2, 2]
     assert stage_sizes([1] * 4, 2, last=10) == [3, 1]  # a head heavier than every block: one block left
     assert stage_sizes([5, 1, 1, 1, 1, 1], 2) == [1, 5]
@@ -201,11 +201,11 @@ def test_stages_keep_the_whole_model_s_names_and_chain_to_its_forward(pp, per_ra
     import torch
 
     from dtrain.models.gpt import GPT
-    from dtrain.parallel.pipeline import _Layout, split_model
+    from dtrain.parallel.stages import Layout, split_model
 
     torch.manual_seed(0)
     whole = GPT(50, 8, n_layer=4, n_head=2, n_embd=16)
-    parts = [split_model(whole, "h", _Layout(whole, "h", 4, pp, rank, per_rank)) for rank in range(pp)]
+    parts = [split_model(whole, "h", Layout(whole, "h", 4, pp, rank, per_rank)) for rank in range(pp)]
     names = [set(part.state_dict()) for part, _ in parts]
     assert set().union(*names) == set(whole.state_dict())
     assert sum(len(n) for n in names) == len(whole.state_dict())  # each name once: wte first, lm_head last

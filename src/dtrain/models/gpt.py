@@ -124,7 +124,7 @@ class GPT(nn.Module):
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size {self.block_size}")
         mask = None if position_ids is None else document_causal_mask(position_ids)
-        # A pipeline stage (parallel/pipeline.py) holds some blocks and sets the parts it lacks to None:
+        # A pipeline stage (parallel/stages.py) holds some blocks and sets the parts it lacks to None:
         # a stage after the first is handed the previous one's activations, and passes them through.
         x = input_ids
         if self.wte is not None:

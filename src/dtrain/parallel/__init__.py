@@ -117,7 +117,7 @@ def model_problem(config: Config, module: nn.Module, tp_plan: Mapping[str, Any] 
     from dtrain.parallel import tensor
 
     if config.distributed.pp_size > 1:  # enough blocks for the stages (raises)
-        from dtrain.parallel.pipeline import check_model
+        from dtrain.parallel.stages import check_model
 
         check_model(module, config)
     window = config.data.block_size if config.data.name == "tokens" else None  # what sequence parallel splits
@@ -172,7 +172,7 @@ def check_sharding(config: Config, world_size: int, local_world_size: int, devic
 
 def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
     """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
-    depth is checked where the model is known (pipeline.check_model)."""
+    depth is checked where the model is known (stages.check_model)."""
     tc = config.training
     if config.model.hf_folder is not None:  # its forward runs every block: a stage's absent ones break it
         return (
