@@ -140,19 +140,20 @@ def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize(
-    "before, after",
-    [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4"), ("fsdp4", "fsdp2_tp2"), ("ddp2", "hsdp2x2_tp2")],
-)
-def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, before, after):
-    """Stopped at step 3 under one layout, resumed under the other (DCP reshards the DTensor shards, or
-    splits whole tensors into them): the same global samples, the losses, eval loss and weights of the
-    run that never stopped. The last pair trains HSDP × TP (2 × 2 × 2 processes) for its second half."""
-    ok(launch(json_byte_tokens, tmp_path, before, "training.stop_at_step=3"))
-    resumed = ok(launch(json_byte_tokens, tmp_path, after))
-    assert "resumed from " in resumed.stderr and "(step 3 of 6" in resumed.stderr, resumed.stderr
-    change = "2 → 1" if "tp2" in before else "1 → 2"
-    assert f"distributed.tp_size {change}" in resumed.stderr  # the layout's change said
+@pytest.mark.parametrize("layouts", [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4", "hsdp2x2_tp2")])
+def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, layouts):
+    """Stopped under one layout, resumed under the next (DCP reshards DTensor shards into whole tensors,
+    and whole tensors into shards): tp2 → ddp2 at step 3; fsdp2 × tp2 → fsdp4 at step 2 → HSDP × TP
+    (2 × 2 × 2 processes) at step 4. The same global samples; the losses, eval loss and weights of the
+    run that never stopped."""
+    stops = [6 * (k + 1) // len(layouts) for k in range(len(layouts))]  # the last runs to the end (6)
+    for k, layout in enumerate(layouts):
+        extra = [f"training.stop_at_step={stops[k]}"] if stops[k] < 6 else []
+        said = ok(launch(json_byte_tokens, tmp_path, layout, *extra)).stderr
+        if k:
+            assert "resumed from " in said and f"(step {stops[k - 1]} of 6" in said, said
+            change = "2 → 1" if "tp2" in layouts[k - 1] else "1 → 2"
+            assert f"distributed.tp_size {change}" in said  # the layout's change said
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))
     assert_same_training(runs / "one", tmp_path)
 
