@@ -267,13 +267,15 @@ class Pipeline(Strategy):
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model on rank 0: each stage's tensors sent to it one at a time (a tensor-parallel one
-        gathered whole first, by its stage's processes together)."""
+        """The whole model on rank 0: each stage's tensors sent to it one at a time (a DTensor gathered
+        whole first, by its stage's tensor- and data-parallel processes together). Only rank 0's pipeline
+        sends: the other pipelines (other dp, tp coordinates) take part in the gathers and send nothing."""
         state = {k: v.detach() for k, v in self.module.state_dict().items()}
         listings: list[Any] = [None] * self.layout.pp
         listing = [(k, tuple(v.shape), str(v.dtype)) for k, v in state.items()]
         dist.all_gather_object(listings, listing, group=self.group)
         here, main = self.layout.mine[0], dist.get_rank() == 0
+        carries = self.ranks[0] == 0  # this pipeline holds rank 0
         full: dict[str, torch.Tensor] = {}
         for owner, listing in enumerate(listings):
             for name, shape, dtype in listing:
@@ -282,6 +284,8 @@ class Pipeline(Strategy):
                 value = state[name] if here == owner else None
                 if value is not None:  # a DTensor: a collective of the stage's tp (and dp) processes
                     value = whole(value)
+                if not carries:
+                    continue
                 if owner == here == 0:
                     full[name] = cast(torch.Tensor, value).cpu() if main else cast(torch.Tensor, value).new_empty(0)
                 elif here == owner:
