@@ -2,6 +2,7 @@
 processes are folded into the shard dimension, so FSDP's reduce-scatter averages their gradients."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,4 +30,9 @@ found["other"] = same_on_every_rank([window + rank, window], cp)
 found["swapped"] = same_on_every_rank(swapped, cp)
 if rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(found))
+# gloo aborted a rank once at the end ("terminate called without an active exception": its threads
+# still dropping a collective's tensors while the interpreter tore down). Both ranks done with every
+# group first, then out without the interpreter's teardown, as dtrain's own workers end.
+dist.barrier()
 dist.destroy_process_group()
+os._exit(0)
