@@ -140,12 +140,12 @@ def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("layouts", [("tp2", "ddp2"), ("fsdp2_tp2", "fsdp4", "hsdp2x2_tp2")])
+@pytest.mark.parametrize("layouts", [("tp2", "ddp2", "tp2"), ("fsdp2_tp2", "fsdp4", "hsdp2x2_tp2")])
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, layouts):
-    """Stopped under one layout, resumed under the next (DCP reshards DTensor shards into whole tensors,
-    and whole tensors into shards): tp2 → ddp2 at step 3; fsdp2 × tp2 → fsdp4 at step 2 → HSDP × TP
-    (2 × 2 × 2 processes) at step 4. The same global samples; the losses, eval loss and weights of the
-    run that never stopped."""
+    """Stopped under one layout at step 2, resumed under the next to step 4, then under the last (DCP
+    reshards DTensor shards into whole tensors, and whole tensors into shards): tp2 → ddp2 → tp2;
+    fsdp2 × tp2 → fsdp4 → HSDP × TP (2 × 2 × 2 processes). The same global samples; the losses, eval
+    loss and weights of the run that never stopped."""
     stops = [6 * (k + 1) // len(layouts) for k in range(len(layouts))]  # the last runs to the end (6)
     for k, layout in enumerate(layouts):
         extra = [f"training.stop_at_step={stops[k]}"] if stops[k] < 6 else []
