@@ -192,6 +192,7 @@ def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
     assert stage_sizes([1] * 7, 3) == [3, 2, 2] and stage_sizes([1] * 8, 4) == [2, 2, 2, 2]
     assert stage_sizes([1] * 4, 2, last=10) == [3, 1]  # a head heavier than every block: one block left
     assert stage_sizes([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert stage_sizes([0] * 4, 2) == [2, 2] and stage_sizes([0] * 5, 2, last=7) == [3, 2]  # free blocks: by count
 
 
 @pytest.mark.parametrize("pp, per_rank", [(2, 1), (2, 2), (3, 1)])

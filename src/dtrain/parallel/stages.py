@@ -42,8 +42,8 @@ def stage_sizes(costs: list[int], n_stages: int, first: int = 0, last: int = 0) 
     """Blocks per stage (at least one each, in order) so that the costliest stage costs least: `costs` per
     block, `first` and `last` what the first and last stages hold beside their blocks (embeddings; final
     norm and head, which in a GPT weigh several blocks). Of the splits as good, the most even (least sum
-    of squared costs), then the one giving earlier stages more (equal blocks, free ends: the first
-    stages take one more)."""
+    of squared costs, then of squared counts: blocks that cost nothing are shared out evenly), then the
+    one giving earlier stages more (equal blocks, free ends: the first stages take one more)."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -53,21 +53,23 @@ def stage_sizes(costs: list[int], n_stages: int, first: int = 0, last: int = 0) 
         return prefix[j] - prefix[i] + (first if stage == 0 else 0) + (last if stage == n_stages - 1 else 0)
 
     @functools.cache
-    def best(i: int, stage: int, bound: int) -> tuple[float, tuple[int, ...]]:
-        """Blocks i.. over stages stage..: (the least sum of squares within `bound`, the sizes)."""
+    def best(i: int, stage: int, bound: int) -> tuple[tuple[float, int], tuple[int, ...]]:
+        """Blocks i.. over stages stage..: (the least sums of squared costs, then of squared counts,
+        within `bound`; the sizes)."""
         if stage == n_stages - 1:
             fine = i < n and load(i, n, stage) <= bound
-            return (float(load(i, n, stage)) ** 2 if fine else math.inf), (n - i,)
-        found: tuple[float, tuple[int, ...]] = (math.inf, ())
+            return ((float(load(i, n, stage)) ** 2 if fine else math.inf, (n - i) ** 2)), (n - i,)
+        found: tuple[tuple[float, int], tuple[int, ...]] = ((math.inf, 0), ())
         for j in range(n - n_stages + stage + 1, i, -1):  # more blocks first: kept on a tie
             if load(i, j, stage) <= bound:
-                rest, sizes = best(j, stage + 1, bound)
-                if float(load(i, j, stage)) ** 2 + rest < found[0]:
-                    found = (float(load(i, j, stage)) ** 2 + rest, (j - i, *sizes))
+                (rest, rest_count), sizes = best(j, stage + 1, bound)
+                score = (float(load(i, j, stage)) ** 2 + rest, (j - i) ** 2 + rest_count)
+                if score < found[0]:
+                    found = (score, (j - i, *sizes))
         return found
 
     bounds = sorted({load(i, j, s) for s in range(n_stages) for i in range(n) for j in range(i + 1, n + 1)})
-    bound = next(b for b in bounds if best(0, 0, b)[0] < math.inf)
+    bound = next(b for b in bounds if best(0, 0, b)[0][0] < math.inf)
     return list(best(0, 0, bound)[1])
 
 
