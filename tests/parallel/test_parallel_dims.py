@@ -27,6 +27,20 @@ def test_the_strategy_fills_its_dimensions_with_every_process(overrides, world, 
     assert built == dims and built.world_size == world and (built.tp, built.pp) == (1, 1)
 
 
+@pytest.mark.parametrize(
+    "world, local, dims",
+    [
+        (8, 8, ParallelDims(dp_shard=2, pp=2, tp=2)),  # one node holds both stages: 2 data-parallel ranks each
+        (16, 8, ParallelDims(dp_shard=4, pp=2, tp=2)),  # a node per stage
+        (32, 8, ParallelDims(dp_replicate=2, dp_shard=4, pp=2, tp=2)),  # two nodes per stage
+    ],
+)
+def test_hsdp_groups_a_nodes_data_parallel_ranks_of_one_stage_by_default(world, local, dims):
+    """hsdp × pp × tp: the shard groups default to the data-parallel ranks one node holds of one stage."""
+    overrides = ["distributed.strategy=hsdp", "distributed.pp_size=2", "distributed.tp_size=2"]
+    assert ParallelDims.from_config(load_config(None, overrides), world, local) == dims
+
+
 def test_shard_groups_that_do_not_divide_the_processes_are_refused_in_one_line():
     config = load_config(None, ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=3"])
     with pytest.raises(ConfigError) as caught:

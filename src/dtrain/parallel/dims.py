@@ -79,7 +79,9 @@ class ParallelDims:
         if dc.strategy == "fsdp":
             return cls(dp_shard=dp, **model)
         if dc.strategy == "hsdp":
-            shard = dc.hsdp_shard_size or max(1, local_world_size // inner)  # a node's data-parallel ranks
+            # A node's data-parallel ranks of one pipeline stage (pp outermost: a stage's ranks are
+            # consecutive, spanning nodes or sharing one).
+            shard = dc.hsdp_shard_size or max(1, min(local_world_size, world_size // dc.pp_size) // inner)
             if dp % shard:
                 raise ConfigError(
                     f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
