@@ -101,7 +101,10 @@ class DistributedConfig(Section):
         False, "FSDP on GPUs: keep parameters, gradients and optimizer state on the CPU between uses."
     )
     hsdp_shard_size: int = setting(
-        0, "hsdp: processes per shard group (0: the processes of one node).", min=0, max=2**20
+        0,
+        "hsdp: processes per shard group (0: the data-parallel processes of one node, of one pipeline stage).",
+        min=0,
+        max=2**20,
     )
     tp_size: int = setting(
         1,
