@@ -12,8 +12,9 @@ are summed after backward, so the copies stay equal. Clipping takes the norm ove
 With `distributed.tp_size > 1` each stage's part is split over its tensor-parallel processes after the
 cut (parallelize_stage: the plan's entries for modules the stage lacks left out); activations between
 stages are then each tp rank's shard of the positions, sent to the same tp rank of the next stage, and
-the tied copies' gradients are summed shard by shard. With data-parallel copies on top (`ddp`: pp × dp ×
-tp), each stage averages its gradients over its replicas itself, once per step.
+the tied copies' gradients are summed shard by shard. With data-parallel copies on top, under `ddp`
+each stage averages its gradients over its replicas itself, once per step; under `fsdp`/`hsdp` each
+stage's part is sharded over them (fsdp.shard) and FSDP reduces its gradients.
 """
 
 from __future__ import annotations
@@ -308,17 +309,11 @@ def parallelize_stage(part: nn.Module, mesh: Any, tp_rank: int, plan: Mapping[st
     the model's own plan, its dropout moves onto this tp rank's stream (dropout.py)."""
     from dtrain.parallel import dropout, tensor
 
-    found = tensor.problem(part, mesh.size(), plan)
+    found = tensor.problem(part, mesh.size(), plan)  # no plan at all: one line saying how to give one
     if found:
         raise ConfigError(found)
-    if plan is None and not callable(getattr(part, "tp_plan", None)):
-        raise ConfigError(
-            f"distributed.pp_size > 1 with distributed.tp_size = {mesh.size()} splits each stage by a plan given "
-            f"as Trainer(tp_plan=...) or the model's tp_plan() method, and {type(part).__name__} has neither; "
-            f"{tensor.HOW}"
-        )
-    whole = dict(plan) if plan is not None else part.tp_plan()  # type: ignore[operator]
-    tensor.parallelize(part, mesh, {k: v for k, v in whole.items() if _held(part, k)})
+    chosen = dict(plan) if plan is not None else part.tp_plan()  # type: ignore[operator]
+    tensor.parallelize(part, mesh, {k: v for k, v in chosen.items() if _held(part, k)})
     if plan is None:
         dropout.own_streams(part, tp_rank)
 
