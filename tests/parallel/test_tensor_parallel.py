@@ -270,15 +270,15 @@ def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(json_byte_to
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """A tiny Hugging Face Llama (its own plan) and an MLP (a plan given to the Trainer), on 1 process and
-    under tp2: one launch each."""
+    """A tiny Hugging Face Llama (its own plan), an MLP (a plan given to the Trainer) and the GPT with a
+    wide vocabulary (dtrain's loss, and a user's loss_fn), on 1 process and under tp2: one launch each."""
     out = tmp_path_factory.mktemp("planned")
     for nproc in (1, 2):
         ok(torchrun(WORKERS / "tensor_parallel.py", out, nproc=nproc))
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "mlp"])
+@pytest.mark.parametrize("name", ["llama", "mlp", "gpt", "gpt_loss_fn"])
 def test_a_models_own_plan_and_a_plan_given_to_the_trainer_take_one_process_steps(planned, name):
     """Per-step losses (accumulation, clipping by the global norm: DTensor shards and parameters the plan
     left whole together), eval loss and final weights within 1e-5 of one process."""
@@ -287,11 +287,25 @@ def test_a_models_own_plan_and_a_plan_given_to_the_trainer_take_one_process_step
     assert len(losses) == 4 and losses == pytest.approx([m["loss"] for m in train_lines(one)], abs=1e-5)
     assert all(m["grad_norm"] > 0.05 for m in train_lines(tp2))  # clipping bit
     assert eval_lines(tp2)[-1]["eval_loss"] == pytest.approx(eval_lines(one)[-1]["eval_loss"], abs=1e-5)
+    if name.startswith("gpt"):  # a user's metric over predictions, taking the logits whole
+        assert eval_lines(tp2)[-1]["eval_top_logit"] == pytest.approx(eval_lines(one)[-1]["eval_top_logit"], abs=1e-5)
     assert_weights_close(weights(tp2), weights(one), atol=1e-5, rtol=0)
     # Split indeed: each rank holds about half the parameters and optimizer state (norms stay whole).
     held, whole = train_lines(tp2)[0], train_lines(one)[0]
     for key in ("param_bytes", "optimizer_bytes"):
         assert [b / whole[key][0] for b in held[key]] == pytest.approx([0.5, 0.5], abs=0.02), key
+
+
+def test_dtrains_loss_takes_the_gpts_logits_split_over_the_vocabulary_holding_half(planned):
+    """Loss parallel: under tp2 the GPT's logits stay split over the vocabulary for dtrain's cross-entropy,
+    so each rank keeps half the bytes of logits (the log-probabilities saved for backward) that it keeps
+    when a user's loss_fn takes them gathered whole, as one process does. Both train as one process
+    (the test above)."""
+    whole = json.loads((planned / "logits-tp1-rank0.json").read_text())
+    assert whole["gpt"] == whole["gpt_loss_fn"] == 4 * 16 * 512 * 4  # a micro-batch's fp32 logits
+    for rank in (0, 1):
+        held = json.loads((planned / f"logits-tp2-rank{rank}.json").read_text())
+        assert held == {"gpt": whole["gpt"] // 2, "gpt_loss_fn": whole["gpt"]}, rank
 
 
 def test_a_model_given_no_plan_is_refused_by_the_trainer_saying_how_to_give_one(planned):

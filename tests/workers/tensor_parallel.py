@@ -4,8 +4,11 @@
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py OUT_DIR    (tp 2)
 
 Each launch trains, into OUT_DIR/<name>-tp<N>: a tiny Hugging Face Llama by its own plan
-(`base_model_tp_plan`), and an MLP by a plan given to the Trainer (`tp_plan=`). The tests compare the
-run folders. Rank 0 writes OUT_DIR/refusals-tp<N>.json: what a model with no plan is told.
+(`base_model_tp_plan`), an MLP by a plan given to the Trainer (`tp_plan=`), and the built-in GPT with a
+wide vocabulary twice: with dtrain's loss ("gpt": loss parallel under tp) and with the same cross-entropy
+as a user's `loss_fn` ("gpt_loss_fn": its logits gathered whole). The tests compare the run folders.
+Rank 0 writes OUT_DIR/refusals-tp<N>.json: what a model with no plan is told; every rank writes
+OUT_DIR/logits-tp<N>-rank<R>.json: the most bytes of logits-sized tensors it saved for backward.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 import tiny
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import Dataset, TensorDataset
 
@@ -31,6 +36,7 @@ JOB = {
     "training": {"max_steps": 4, "log_every": 1, "grad_accum_steps": 2, "max_grad_norm": 0.05},
 }
 VOCAB, BLOCK = 64, 16
+WIDE_VOCAB = 512  # the GPT's: its logits the largest activation, as in a real language model
 
 
 class Tokens(Dataset):
@@ -65,6 +71,37 @@ def mlp() -> nn.Module:
     return tiny.seeded(lambda: nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 3)), 3)
 
 
+def gpt() -> nn.Module:
+    from dtrain.models.gpt import GPT
+
+    return tiny.seeded(lambda: GPT(vocab_size=WIDE_VOCAB, block_size=BLOCK, n_layer=1, n_head=4, n_embd=32), 3)
+
+
+def windows(n: int, seed: int) -> TensorDataset:
+    """(inputs, next tokens) windows: the GPT's loss is dtrain's cross-entropy over every position."""
+    ids = torch.randint(0, WIDE_VOCAB, (n, BLOCK + 1), generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def top_logit(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mean of each position's highest score: a metric over every class's prediction."""
+    return {"top_logit": logits.max(-1).values.mean()}
+
+
+class LogitsSaved:
+    """The most bytes this rank holds of one tensor the size of the logits (batch × positions × vocabulary)
+    that autograd saved for backward (the log-probabilities the loss keeps): its local shard if a DTensor."""
+
+    def __init__(self, batch: int):
+        self.numel, self.most = batch * BLOCK * WIDE_VOCAB, 0
+
+    def pack(self, saved: torch.Tensor) -> torch.Tensor:
+        if saved.numel() == self.numel:  # the whole size; held here: the shard's bytes
+            local = saved.to_local() if isinstance(saved, DTensor) else saved
+            self.most = max(self.most, local.numel() * local.element_size())
+        return saved
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     tp = dist.get_world_size()
@@ -74,6 +111,19 @@ def main(out: Path) -> None:
     points = lambda n, seed: tiny.points(n, 12, seed, lambda x: x[:, :3].argmax(1))  # noqa: E731
     data: TensorDataset = points(64, 0)
     dtrain.Trainer(config("mlp"), model=mlp(), train_data=data, eval_data=points(10, 1), tp_plan=plan).fit()
+    held = {}
+    for name, loss_fn in (
+        ("gpt", None),
+        ("gpt_loss_fn", lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())),
+    ):
+        saved = LogitsSaved(JOB["data"]["batch_size"])
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda kept: kept):
+            train, test = windows(64, 0), windows(10, 1)  # top_logit: over predictions, logits gathered for it
+            dtrain.Trainer(
+                config(name), model=gpt(), train_data=train, eval_data=test, loss_fn=loss_fn, eval_metrics=top_logit
+            ).fit()
+        held[name] = saved.most
+    (out / f"logits-tp{tp}-rank{dist.get_rank()}.json").write_text(json.dumps(held))
     refusals = {}
     if tp > 1:
         try:

@@ -144,7 +144,7 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         config, _, eval_data, collate_fn = data.as_given(config, splits.train, splits.eval, None)
         parallel.to_device(module, s.device)
         timer = StepTimer(s.device, enabled=False)
-        strategy = parallel.build(config, s, module, timer)
+        strategy = parallel.build(config, s, module, timer, default_loss=True)  # loss parallel under tp
         # A pipeline keeps its stages' part of the model only: read into that, under the whole model's names.
         module = strategy.module
         # Into the spread model: each rank reads its own shards (init_from.load_into).
@@ -164,8 +164,7 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         if evaluator is None:
             return {}
         # As Trainer.evaluate: a pipeline's stages each run every batch, only the last one scoring it.
-        collective, computes_loss = strategy.forward_is_collective, strategy.computes_loss
-        return evaluator.evaluate(strategy.eval_module, collective, s.device, computes_loss)
+        return evaluator.evaluate(strategy, s.device)
 
 
 def _source_of(choice: Choice) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -137,11 +138,12 @@ class GPT(nn.Module):
             x = self.ln_f(x)
         return x if self.lm_head is None else self.lm_head(x)
 
-    def tp_plan(self) -> dict[str, Any]:
-        """How tensor parallel splits this model (gpt_tp.py): module patterns → parallel styles."""
+    def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:
+        """How tensor parallel splits this model (gpt_tp.py): module patterns → parallel styles; with
+        `loss_parallel`, its logits left split over the vocabulary for the loss."""
         from dtrain.models import gpt_tp
 
-        return gpt_tp.plan(self)
+        return gpt_tp.plan(self, loss_parallel)
 
     def tp_problem(self, tp: int, window: int | None = None) -> str | None:
         """Why `tp` processes cannot split this model (on windows of `window` tokens), in one line, or None."""
@@ -172,7 +174,10 @@ class GPT(nn.Module):
         """Continue `idx` (batch, positions) by sampling `max_new_tokens` tokens; at temperature 0 the
         likeliest token each time (greedy: the same continuation whatever the generator)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size :])[:, -1, :]
+            logits = self(idx[:, -self.block_size :])
+            if isinstance(logits, DTensor):  # split over the vocabulary under tensor parallel (gpt_tp.py)
+                logits = logits.full_tensor()
+            logits = logits[:, -1, :]
             if temperature == 0:
                 idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
                 continue

@@ -6,8 +6,10 @@
     h.*.attn       the sequence gathered; heads split (n_head / tp per rank)
     attn.c_attn    column-wise (see FusedHeadsColwise), attn.c_proj row-wise, reduce-scattered
     mlp.c_fc       column-wise; mlp.c_proj row-wise, reduce-scattered over the sequence
-    ln_f           sequence parallel; lm_head column-wise (tied to wte, as both split the vocabulary),
-                   its logits gathered whole: the loss is dtrain's usual one (no loss parallel)
+    ln_f           sequence parallel; lm_head column-wise (tied to wte, as both split the vocabulary)
+    the logits     left split over the vocabulary where dtrain's own cross-entropy takes them (loss
+                   parallel: each rank holds B × T × V / tp of them, the loss's softmax reduced over
+                   the ranks), else gathered whole (a user's loss_fn or step_fn, a pipeline stage)
 
 Dropouts run on each rank's sequence shard as they are (element-wise). Between blocks the activation
 is each rank's shard of the positions (a plain tensor); parameters are DTensors on the tensor-parallel
@@ -37,8 +39,11 @@ if TYPE_CHECKING:
     from dtrain.models.gpt import GPT
 
 
-def plan(model: GPT) -> dict[str, ParallelStyle]:
-    """Module names (parallelize_module's patterns) → how each is split over the tensor-parallel mesh."""
+def plan(model: GPT, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Module names (parallelize_module's patterns) → how each is split over the tensor-parallel mesh;
+    with `loss_parallel` the logits come as a DTensor split over the vocabulary, for a loss computed
+    inside torch's `loss_parallel()` (dtrain's step and evaluation enter it: parallel/base.py)."""
+    logits = Shard(-1) if loss_parallel else Replicate()
     return {
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "wpe": PositionsOfTheShard(),
@@ -53,7 +58,7 @@ def plan(model: GPT) -> dict[str, ParallelStyle]:
         "h.*.mlp.c_fc": ColwiseParallel(),
         "h.*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
         "ln_f": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=logits, use_local_output=not loss_parallel),
     }
 
 

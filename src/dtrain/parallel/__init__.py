@@ -66,11 +66,13 @@ def build(
     observer: CommObserver,
     dims: ParallelDims | None = None,
     tp_plan: Mapping[str, Any] | None = None,
+    default_loss: bool = False,
 ) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
     device) as `distributed.strategy` and the sizes say; `observer` (the step timer) hears of the gradient
     communication. In torchtitan's order: tensor parallel (by `tp_plan`, else the model's), then
-    activation checkpointing and compile per block, then FSDP over the data dimensions."""
+    activation checkpointing and compile per block, then FSDP over the data dimensions. `default_loss`:
+    the step's loss is dtrain's cross-entropy, so the model's logits may stay split (loss parallel)."""
     problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
     if problem:
         raise ConfigError(problem)
@@ -80,11 +82,12 @@ def build(
         from dtrain.parallel.pipeline import Pipeline
 
         return Pipeline(module, session, dims or layout(config, session), config, observer, tp_plan)
-    dims = dims or layout(config, session)
+    dims, split_logits = dims or layout(config, session), False
     if dims.tp > 1:
         from dtrain.parallel import dropout, tensor
 
-        tensor.parallelize(module, dims.world_mesh(session.device.type)["tp"], tp_plan)
+        tp_mesh = dims.world_mesh(session.device.type)["tp"]
+        split_logits = tensor.parallelize(module, tp_mesh, tp_plan, loss_parallel=default_loss)
         if tp_plan is None:  # the model's own plan: it knows where its dropout acts
             dropout.own_streams(module, dims.coordinate(session.rank)["tp"])
     units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
@@ -108,6 +111,7 @@ def build(
         from dtrain.parallel.context import ContextParallel
 
         strategy.sequence_split = ContextParallel(module, dims.world_mesh(session.device.type)["cp"])
+    strategy.split_logits = split_logits
     return strategy
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,11 +38,26 @@ class Strategy:
 
     # Context parallel (context.py), where distributed.cp_size > 1: what a step runs inside.
     sequence_split: Any = None
+    # Loss parallel: whether the model's logits come as a DTensor split over the vocabulary over the
+    # tensor-parallel processes (tensor.py), which dtrain's cross-entropy takes without gathering them.
+    split_logits = False
 
-    def step_context(self, micro_batches: list[Any]) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def step_context(self, micro_batches: list[Any]) -> Iterator[None]:
         """What the step's forward and backward passes (and its token count) run inside: each sequence
-        split over the context-parallel processes, attention as a ring (context.py); else nothing."""
-        return self.sequence_split.step(micro_batches) if self.sequence_split else contextlib.nullcontext()
+        split over the context-parallel processes, attention as a ring (context.py); loss parallel."""
+        split = self.sequence_split.step(micro_batches) if self.sequence_split else contextlib.nullcontext()
+        with split, self.loss_context():
+            yield
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What a loss over split logits is computed inside, its backward too: torch's `loss_parallel()`,
+        whose cross-entropy reduces the softmax over the tensor-parallel processes; else nothing."""
+        if not self.split_logits:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     # Whether this process computes the loss (every one, but a pipeline's stages before the last).
     computes_loss = True

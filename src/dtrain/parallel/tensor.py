@@ -3,7 +3,8 @@ mesh (dims.py) by a plan, a dict of module-name patterns → torch's parallel st
 `parallelize_module` takes it. The plan is, first found:
 
     yours       `Trainer(..., tp_plan=...)`, for any model
-    the model's a `tp_plan()` method (the built-in GPT's: models/gpt_tp.py)
+    the model's a `tp_plan()` method (the built-in GPT's: models/gpt_tp.py); one taking `loss_parallel`
+                is asked for logits split over the vocabulary when the loss is dtrain's cross-entropy
     Hugging Face the model's own (`base_model_tp_plan` of its config), applied by transformers' own
                 helper (`apply_tensor_parallelism`)
 
@@ -14,7 +15,8 @@ over the data dimensions (torchtitan's order). Parameters become DTensors on the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,13 +61,18 @@ def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None, w
     return None
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any] | None = None) -> None:
+def parallelize(
+    module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any] | None = None, loss_parallel: bool = False
+) -> bool:
     """Split `module` over `mesh` (the tensor-parallel dimension) by `plan`, else its own; refused in one
-    line when there is none. Parameters tied before (the GPT's embedding and head) are tied again after."""
+    line when there is none. Parameters tied before (the GPT's embedding and head) are tied again after.
+    With `loss_parallel` (the step's loss is dtrain's cross-entropy, which takes logits split over the
+    vocabulary), a model whose own plan can leave them split (`tp_plan(loss_parallel=True)`) is asked
+    to; returns whether it was."""
     found = problem(module, mesh.size(), plan)
     if found:
         raise ConfigError(found)
-    tied = _tied_names(module)
+    tied, split_logits = _tied_names(module), False
     hf = _hf_model(module) if plan is None and not callable(getattr(module, "tp_plan", None)) else None
     if hf is not None:  # its plan names its own modules, by style names transformers knows
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
@@ -75,10 +82,16 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any] | N
     else:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        chosen = dict(plan) if plan is not None else module.tp_plan()  # type: ignore[operator]
+        if plan is not None:
+            chosen = dict(plan)
+        else:
+            own: Callable[..., dict[str, Any]] = module.tp_plan  # type: ignore[assignment]
+            split_logits = loss_parallel and "loss_parallel" in inspect.signature(own).parameters
+            chosen = own(loss_parallel=True) if split_logits else own()
         parallelize_module(module, mesh, chosen)
     for names in tied:
         _tie(module, names)
+    return split_logits
 
 
 class TensorParallel(Strategy):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Subset, TensorDataset
 
 from dtrain import distributed, factory, parallel
@@ -111,25 +112,29 @@ class Evaluator:
         return epoch_done and self.eval_every > 0 and epoch % self.eval_every == 0
 
     @torch.no_grad()
-    def evaluate(
-        self, module: torch.nn.Module, forward_is_collective: bool, device: torch.device, computes_loss: bool = True
-    ) -> dict[str, float]:
-        """Run `module` (the user's own, not DDP's wrapper: no gradients, nothing to all-reduce) over this
-        rank's eval batches; the metrics reduced over every rank (a collective). Under FSDP the forward
-        pass gathers parameters, a collective: every rank runs as many batches, the extra ones uncounted.
-        A pipeline stage before the last (not `computes_loss`) only runs its forward, for the next stage."""
-        batches = self.batches.evened() if forward_is_collective else ((batch, True) for batch in self.batches)
+    def evaluate(self, spread: parallel.Strategy, device: torch.device) -> dict[str, float]:
+        """Run the strategy's eval module (the user's own, not DDP's wrapper: no gradients, nothing to
+        all-reduce) over this rank's eval batches; the metrics reduced over every rank (a collective).
+        Under FSDP the forward pass gathers parameters, a collective: every rank runs as many batches, the
+        extra ones uncounted. A pipeline stage before the last (not `computes_loss`) only runs its forward,
+        for the next stage. Logits split over tensor-parallel ranks get their loss inside its loss context."""
+        module = spread.eval_module
+        batches = self.batches.evened() if spread.forward_is_collective else ((batch, True) for batch in self.batches)
         was_training = module.training
         module.eval()
         sums = EvalSums(device, self.user_metrics, self.batches.interleaved)
         for batch, counted in batches:
             self.progress.at("evaluation")
-            if not computes_loss:
+            if not spread.computes_loss:
                 with self.precision.autocast():
                     forward(module, split(batch)[0])
                 continue
-            with self.precision.autocast():
+            with self.precision.autocast(), spread.loss_context():
                 loss, output, target = self.loss_of(module, batch)
+            if isinstance(output, DTensor) and self.user_metrics is not None:
+                # Logits split over the vocabulary (loss parallel), gathered whole for the user's metrics
+                # by every tensor-parallel peer (a collective), counted or not.
+                output = output.full_tensor()
             if counted and self.counts:
                 sums.add(loss, output, target, batch, num_samples(batch), self.loss_of.items(module, batch))
         module.train(was_training)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.data.batch import IGNORE_INDEX, num_samples, split
@@ -59,9 +60,10 @@ def cross_entropy(output: Any, target: torch.Tensor, per_item: torch.Tensor | No
         )
     if logits.dim() > 2 and tuple(target.shape) == tuple(logits.shape[:-1]):
         logits, target = logits.flatten(0, -2), target.flatten()
-    if per_item is None:
-        return F.cross_entropy(logits, target)
-    return F.cross_entropy(logits, target, reduction="sum") / per_item
+    loss = F.cross_entropy(logits, target, reduction="mean" if per_item is None else "sum")
+    if isinstance(loss, DTensor):  # logits split over the vocabulary, under torch's loss_parallel():
+        loss = loss.to_local()  # the whole loss on every rank, its backward reduced over the split
+    return loss if per_item is None else loss / per_item
 
 
 def loss_in(output: Any) -> torch.Tensor:
@@ -144,6 +146,12 @@ class LossOf:
             output = forward(model, inputs)
             return self.from_output(output, target, per_item), output, target
         return _one_number(loss, "loss_fn" if self.loss_fn else "the loss"), output, target
+
+    @property
+    def is_default(self) -> bool:
+        """Whether a batch with a target takes dtrain's cross-entropy (no step_fn, no loss_fn): it takes
+        logits split over the vocabulary too (loss parallel), which a user's function may not expect."""
+        return self.step_fn is None and self.loss_fn is None
 
     def from_output(self, output: Any, target: Any, per_item: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of an `(inputs, target)` batch from the model's output (`loss_fn`, else cross-entropy):

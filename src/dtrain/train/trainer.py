@@ -156,7 +156,8 @@ class Trainer:
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
         self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dims)
-        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims, self.tp_plan)
+        default_loss = self.loss_of.is_default  # dtrain's cross-entropy: tensor parallel may split the logits
+        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims, self.tp_plan, default_loss)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model, self.module = self.strategy.model, self.strategy.module  # a pipeline: its stages' part
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
@@ -299,7 +300,7 @@ class Trainer:
         model, optimizer, scaler, metrics = self.model, self.optimizer, self.precision.scaler, self.metrics
         # Each micro-batch's share of the step's loss (by target tokens across every rank for a token-mean
         # loss, else by samples), so the update equals one batch of all the step's samples.
-        with self.strategy.step_context(micro_batches):  # context parallel: the sequences split over ranks
+        with self.strategy.step_context(micro_batches):  # context parallel, loss parallel (parallel/base.py)
             shares = StepShares(self.loss_of, model, micro_batches, self.metrics.world_size)
             # Forward and backward over the micro-batches: one after another, or a pipeline's schedule.
             metrics.loss_sum += self.strategy.forward_backward(micro_batches, shares, self.precision)
@@ -332,8 +333,7 @@ class Trainer:
             return {}
         self.setup()
         assert self.evaluator and self.strategy and self.session
-        spread, device = self.strategy, self.session.device
-        return self.evaluator.evaluate(spread.eval_module, spread.forward_is_collective, device, spread.computes_loss)
+        return self.evaluator.evaluate(self.strategy, self.session.device)
 
     def _log_train(self, stop_requested: bool) -> tuple[dict[str, Any], bool]:
         """Gather the window from every rank (the only host sync) and log it. The same gather carries
