@@ -308,6 +308,11 @@ def test_dtrains_loss_takes_the_gpts_logits_split_over_the_vocabulary_holding_ha
         assert held == {"gpt": whole["gpt"] // 2, "gpt_loss_fn": whole["gpt"]}, rank
 
 
-def test_a_model_given_no_plan_is_refused_by_the_trainer_saying_how_to_give_one(planned):
+def test_a_model_given_no_plan_or_a_plan_naming_no_module_is_refused_by_the_trainer(planned):
     refusals = json.loads((planned / "refusals-tp2.json").read_text())
     assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (distributed.tp_size = 2); give ")
+    # A pattern naming no module would leave its layer whole on every rank: refused, naming what is there.
+    assert refusals["no_match"] == (
+        "the tensor-parallel plan's 'layers.*.up' names no module of Sequential; name modules as "
+        "model.named_modules() does (here: 0, 1, 2)"
+    )

@@ -130,6 +130,11 @@ def main(out: Path) -> None:
             dtrain.Trainer(config("no_plan"), model=mlp(), train_data=data).setup()
         except DtrainError as exc:
             refusals["no_plan"] = str(exc)
+        try:
+            typo = {"0": ColwiseParallel(), "layers.*.up": ColwiseParallel()}
+            dtrain.Trainer(config("no_match"), model=mlp(), train_data=data, tp_plan=typo).setup()
+        except DtrainError as exc:
+            refusals["no_match"] = str(exc)
     if dist.get_rank() == 0:
         (out / f"refusals-tp{tp}.json").write_text(json.dumps(refusals))
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +85,13 @@ def parallelize(
 
         if plan is not None:
             chosen = dict(plan)
+            unmatched = [pattern for pattern in chosen if not _matches_a_module(module, pattern)]
+            if unmatched:  # torch would skip them with a warning per rank: every rank computing whole layers
+                raise ConfigError(
+                    f"the tensor-parallel plan's {', '.join(map(repr, unmatched))} names no module of "
+                    f"{type(module).__name__}; name modules as model.named_modules() does "
+                    f"(here: {', '.join(_some_module_names(module))})"
+                )
         else:
             own: Callable[..., dict[str, Any]] = module.tp_plan  # type: ignore[assignment]
             split_logits = loss_parallel and "loss_parallel" in inspect.signature(own).parameters
@@ -120,6 +128,20 @@ def _hf_model(module: nn.Module) -> nn.Module | None:
         if getattr(sub, "tp_plan", None) and callable(getattr(sub, "_expand_parallel_plan", None)):
             return sub
     return None
+
+
+def _matches_a_module(module: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` names a module as parallelize_module reads it: dot-separated, each part a glob."""
+    parts = pattern.split(".")
+    return pattern == "" or any(
+        len(names) == len(parts) and all(fnmatch(n, p) for n, p in zip(names, parts, strict=True))
+        for names in (name.split(".") for name, _ in module.named_modules() if name)
+    )
+
+
+def _some_module_names(module: nn.Module, most: int = 8) -> list[str]:
+    names = [name for name, _ in module.named_modules() if name]
+    return names[:most] + (["…"] if len(names) > most else [])
 
 
 def _tied_names(module: nn.Module) -> list[list[str]]:
