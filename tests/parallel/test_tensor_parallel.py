@@ -308,6 +308,15 @@ def test_dtrains_loss_takes_the_gpts_logits_split_over_the_vocabulary_holding_ha
         assert held == {"gpt": whole["gpt"] // 2, "gpt_loss_fn": whole["gpt"]}, rank
 
 
+def test_a_gpt_split_over_tensor_parallel_ranks_generates_what_one_process_generates(planned):
+    """After fit, the trained GPT still split over tp2 continues an odd-length prompt (sequence parallel
+    splits its positions evenly: padded at the end) greedily as the one-process model does."""
+    alone = json.loads((planned / "generated-tp1-rank0.json").read_text())
+    assert [len(tokens[0]) for tokens in alone.values()] == [9, 9]  # 3 of the prompt and 6 new
+    for rank in (0, 1):
+        assert json.loads((planned / f"generated-tp2-rank{rank}.json").read_text()) == alone, rank
+
+
 def test_a_model_given_no_plan_or_a_plan_naming_no_module_is_refused_by_the_trainer(planned):
     refusals = json.loads((planned / "refusals-tp2.json").read_text())
     assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (distributed.tp_size = 2); give ")

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import dtrain
 from dtrain.errors import DtrainError
+from dtrain.models.gpt import GPT
 
 JOB = {
     "run": {"seed": 3},
@@ -71,9 +72,7 @@ def mlp() -> nn.Module:
     return tiny.seeded(lambda: nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 3)), 3)
 
 
-def gpt() -> nn.Module:
-    from dtrain.models.gpt import GPT
-
+def gpt() -> GPT:
     return tiny.seeded(lambda: GPT(vocab_size=WIDE_VOCAB, block_size=BLOCK, n_layer=1, n_head=4, n_embd=32), 3)
 
 
@@ -111,19 +110,24 @@ def main(out: Path) -> None:
     points = lambda n, seed: tiny.points(n, 12, seed, lambda x: x[:, :3].argmax(1))  # noqa: E731
     data: TensorDataset = points(64, 0)
     dtrain.Trainer(config("mlp"), model=mlp(), train_data=data, eval_data=points(10, 1), tp_plan=plan).fit()
-    held = {}
+    held, generated = {}, {}
     for name, loss_fn in (
         ("gpt", None),
         ("gpt_loss_fn", lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())),
     ):
         saved = LogitsSaved(JOB["data"]["batch_size"])
+        model = gpt()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda kept: kept):
             train, test = windows(64, 0), windows(10, 1)  # top_logit: over predictions, logits gathered for it
             dtrain.Trainer(
-                config(name), model=gpt(), train_data=train, eval_data=test, loss_fn=loss_fn, eval_metrics=top_logit
+                config(name), model=model, train_data=train, eval_data=test, loss_fn=loss_fn, eval_metrics=top_logit
             ).fit()
         held[name] = saved.most
-    (out / f"logits-tp{tp}-rank{dist.get_rank()}.json").write_text(json.dumps(held))
+        # The trained model, still split (this script's group lives on), continues a 3-token prompt.
+        generated[name] = model.generate(windows(1, 2)[0][0][None, :3], 6, temperature=0).tolist()
+    rank = dist.get_rank()
+    (out / f"logits-tp{tp}-rank{rank}.json").write_text(json.dumps(held))
+    (out / f"generated-tp{tp}-rank{rank}.json").write_text(json.dumps(generated))
     refusals = {}
     if tp > 1:
         try:

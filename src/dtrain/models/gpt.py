@@ -162,6 +162,13 @@ class GPT(nn.Module):
         t = seq_len or self.block_size
         return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * t
 
+    def _positions_split_over(self) -> int:
+        """Over how many tensor-parallel ranks sequence parallel splits the positions (1 unsplit)."""
+        mesh = getattr(self.wpe.weight, "device_mesh", None) if self.wpe is not None else None
+        if mesh is None:
+            return 1
+        return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else mesh.size()
+
     @torch.no_grad()
     def generate(
         self,
@@ -173,11 +180,16 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Continue `idx` (batch, positions) by sampling `max_new_tokens` tokens; at temperature 0 the
         likeliest token each time (greedy: the same continuation whatever the generator)."""
+        multiple = self._positions_split_over()
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size :])
+            window = idx[:, -self.block_size :]
+            # Under sequence parallel the positions split evenly over the tp ranks: padded at the end,
+            # which a causal model's last real position never sees.
+            t = window.shape[1]
+            logits = self(F.pad(window, (0, -t % multiple)))
             if isinstance(logits, DTensor):  # split over the vocabulary under tensor parallel (gpt_tp.py)
                 logits = logits.full_tensor()
-            logits = logits[:, -1, :]
+            logits = logits[:, t - 1, :]
             if temperature == 0:
                 idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
                 continue
