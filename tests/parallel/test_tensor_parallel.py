@@ -317,7 +317,7 @@ def test_a_gpt_split_over_tensor_parallel_ranks_generates_what_one_process_gener
         assert json.loads((planned / f"generated-tp2-rank{rank}.json").read_text()) == alone, rank
 
 
-def test_a_model_given_no_plan_or_a_plan_naming_no_module_is_refused_by_the_trainer(planned):
+def test_a_model_given_no_plan_or_an_empty_plan_or_one_naming_no_module_is_refused(planned):
     refusals = json.loads((planned / "refusals-tp2.json").read_text())
     assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (distributed.tp_size = 2); give ")
     # A pattern naming no module would leave its layer whole on every rank: refused, naming what is there.
@@ -325,3 +325,4 @@ def test_a_model_given_no_plan_or_a_plan_naming_no_module_is_refused_by_the_trai
         "the tensor-parallel plan's 'layers.*.up' names no module of Sequential; name modules as "
         "model.named_modules() does (here: 0, 1, 2)"
     )
+    assert refusals["empty"].startswith("the tensor-parallel plan given for Sequential is empty; give a plan: ")

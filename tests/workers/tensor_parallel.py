@@ -139,6 +139,10 @@ def main(out: Path) -> None:
             dtrain.Trainer(config("no_match"), model=mlp(), train_data=data, tp_plan=typo).setup()
         except DtrainError as exc:
             refusals["no_match"] = str(exc)
+        try:
+            dtrain.Trainer(config("empty"), model=mlp(), train_data=data, tp_plan={}).setup()
+        except DtrainError as exc:
+            refusals["empty"] = str(exc)
     if dist.get_rank() == 0:
         (out / f"refusals-tp{tp}.json").write_text(json.dumps(refusals))
     dist.destroy_process_group()

@@ -85,6 +85,8 @@ def parallelize(
 
         if plan is not None:
             chosen = dict(plan)
+            if not chosen:  # every rank would compute every layer whole, and say nothing
+                raise ConfigError(f"the tensor-parallel plan given for {type(module).__name__} is empty; {HOW}")
             unmatched = [pattern for pattern in chosen if not _matches_a_module(module, pattern)]
             if unmatched:  # torch would skip them with a warning per rank: every rank computing whole layers
                 raise ConfigError(
