@@ -163,11 +163,11 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * t
 
     def _positions_split_over(self) -> int:
-        """Over how many tensor-parallel ranks sequence parallel splits the positions (1 unsplit)."""
+        """Over how many tensor-parallel ranks sequence parallel splits the positions (1 unsplit; FSDP
+        alone shards the weight over its own mesh and leaves the positions whole)."""
         mesh = getattr(self.wpe.weight, "device_mesh", None) if self.wpe is not None else None
-        if mesh is None:
-            return 1
-        return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else mesh.size()
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        return mesh["tp"].size() if mesh is not None and "tp" in names else 1
 
     @torch.no_grad()
     def generate(

@@ -131,9 +131,9 @@ class Evaluator:
                 continue
             with self.precision.autocast(), spread.loss_context():
                 loss, output, target = self.loss_of(module, batch)
-            if isinstance(output, DTensor) and self.user_metrics is not None:
-                # Logits split over the vocabulary (loss parallel), gathered whole for the user's metrics
-                # by every tensor-parallel peer (a collective), counted or not.
+            if isinstance(output, DTensor) and (self.user_metrics is not None or output.dim() == 2):
+                # Logits split over the classes (loss parallel), gathered whole for metrics over predictions
+                # (the user's, accuracy) by every tensor-parallel peer (a collective), counted or not.
                 output = output.full_tensor()
             if counted and self.counts:
                 sums.add(loss, output, target, batch, num_samples(batch), self.loss_of.items(module, batch))
