@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtrain.distributed import end_worker_process
 from dtrain.models.gpt import GPT
 from dtrain.parallel import dropout, tensor
 
@@ -51,7 +52,12 @@ def main(out: Path) -> None:
     dist.all_gather_object(gathered, cases)
     if dist.get_rank() == 0:
         (out / "masks.json").write_text(json.dumps(gathered))
+    # Out as dtrain's own workers end, without the interpreter's teardown: gloo's thread, still
+    # dropping a finished collective's tensors as Python tore down, aborted a finished rank
+    # ("terminate called without an active exception", about one run in eight on a busy machine).
+    dist.barrier()
     dist.destroy_process_group()
+    end_worker_process(0)
 
 
 if __name__ == "__main__":
