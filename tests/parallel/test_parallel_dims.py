@@ -5,7 +5,7 @@ import pytest
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
-from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.dims import ParallelDims, tp_sizes
 
 
 @pytest.mark.parametrize(
@@ -109,6 +109,13 @@ def test_layouts_that_do_not_fit_the_world_are_refused_in_one_line(overrides, wo
     with pytest.raises(ConfigError) as caught:
         ParallelDims.from_config(load_config(None, overrides), world, local)
     assert str(caught.value) == message
+
+
+def test_the_tensor_parallel_sizes_a_world_takes_leave_room_for_the_other_sizes_and_stay_in_a_node():
+    assert tp_sizes(load_config(None, []), 6, 6) == [1, 2, 3, 6]
+    assert tp_sizes(load_config(None, ["distributed.pp_size=2"]), 8, 8) == [1, 2, 4]
+    assert tp_sizes(load_config(None, []), 16, 4) == [1, 2, 4]  # 8 and 16 would span nodes of 4
+    assert tp_sizes(load_config(None, ["distributed.pp_size=3"]), 3, 3) == [1]
 
 
 @pytest.mark.parametrize(

@@ -165,7 +165,14 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_
             "3",
             ["distributed.tp_size=3"],
             "distributed.tp_size = 3 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
-            "each rank holding whole heads; use distributed.tp_size in [1, 2, 4]",
+            "each rank holding whole heads; use distributed.tp_size in [1]",  # 2 and 4 fit the heads, not 3 processes
+        ),
+        (
+            "6",
+            ["distributed.tp_size=4"],
+            "distributed.tp_size = 4 splits the model over 4 processes and the job has 6; run a multiple of 4 "
+            "processes (4, 8, 12, 16, ...) or set distributed.tp_size to one of 1, 2 (checkpoints resume under "
+            "any layout)",  # 3 and 6 divide the processes, not the 4 heads
         ),
         (
             "4",

@@ -3,14 +3,16 @@ line, with nothing written; data it may download is fetched."""
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dtrain import checkpoint, data, distributed, models, objstore, parallel, rundir
 from dtrain.config import Config, check_model_fits_data, with_global_batch
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.launch import gpus as devices
 from dtrain.observe.tracker_servers import check_servers
 from dtrain.observe.trackers import check_installed
@@ -40,7 +42,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     check_comm_hook(config.distributed.comm_hook, backend)
     gpus = devices.visible_gpus()
     device_type = "cuda" if gpus and config.training.device != "cpu" else "cpu"
-    problem = parallel.check_sharding(config, world_size, local_world_size, device_type)
+    problem = parallel.check_sharding(config, world_size, local_world_size, device_type, _model_takes_tp(config))
     if problem:
         raise ConfigError(problem)
     distributed.check_device_capacity(backend, local_world_size, len(gpus))
@@ -74,7 +76,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     sample = data.sample_of(config)
     if sample is not None:  # a built-in data set: whether the model can be built for it is known now
         model = models.check(config.model, *sample)  # on the meta device: how the sizes split it, checked now
-        problem = parallel.model_problem(config, model) if model is not None else None
+        problem = parallel.model_problem(config, model, world=(world_size, local_world_size)) if model else None
         if problem:  # e.g. tensor parallel over more processes than the model has heads
             raise ConfigError(problem)
     n_train = data.size_hint(config)
@@ -98,3 +100,23 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         run_dir, resuming=resume_from is not None, overwrite=fresh, again=distributed.later_attempt()
     )
     return None
+
+
+def _model_takes_tp(config: Config) -> Callable[[int], bool]:
+    """Whether the job's built-in model splits over that many tensor-parallel processes; asked only by a
+    refusal of the sizes, to offer those that would work. The model is built then, on the meta device;
+    one that cannot be built yet takes any size (its own check says why, later)."""
+
+    @functools.cache
+    def model() -> torch.nn.Module | None:
+        try:
+            sample = data.sample_of(config)
+            return models.check(config.model, *sample) if sample is not None else None
+        except DtrainError:
+            return None
+
+    def takes(tp: int) -> bool:
+        built = model()
+        return built is None or parallel.takes_tp(config, built, tp)
+
+    return takes

@@ -13,6 +13,7 @@ device, and on GPUs it runs the memory-efficient kernel rather than flash, which
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 import torch
@@ -145,11 +146,12 @@ class GPT(nn.Module):
 
         return gpt_tp.plan(self, loss_parallel)
 
-    def tp_problem(self, tp: int, window: int | None = None) -> str | None:
-        """Why `tp` processes cannot split this model (on windows of `window` tokens), in one line, or None."""
+    def tp_problem(self, tp: int, window: int | None = None, sizes: Collection[int] | None = None) -> str | None:
+        """Why `tp` processes cannot split this model (on windows of `window` tokens), in one line naming
+        the sizes that would (of `sizes`, where given), or None."""
         from dtrain.models import gpt_tp
 
-        return gpt_tp.problem(self, tp, window)
+        return gpt_tp.problem(self, tp, window, sizes)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding, as GPT-2 counts."""

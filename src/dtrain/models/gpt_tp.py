@@ -18,6 +18,7 @@ mesh, every one sharded or replicated as stored, so checkpoints (DCP) reshard on
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,13 +63,18 @@ def plan(model: GPT, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     }
 
 
-def problem(model: GPT, tp: int, window: int | None = None) -> str | None:
+def problem(model: GPT, tp: int, window: int | None = None, sizes: Collection[int] | None = None) -> str | None:
     """Why the GPT cannot be split over `tp` processes (heads, width; windows of `window` tokens, which
-    sequence parallel splits evenly), in one line naming what would, or None."""
+    sequence parallel splits evenly), in one line naming what would (of `sizes`: those the world takes),
+    or None."""
     n_head, n_embd = model.n_head, model.n_embd
     if n_head % tp == 0 and n_embd % tp == 0:
         return None if window is None or window % tp == 0 else _uneven(window, tp)
-    fits = [d for d in range(1, n_head + 1) if n_head % d == 0 and n_embd % d == 0]
+    fits = [
+        d
+        for d in range(1, n_head + 1)
+        if n_head % d == 0 and n_embd % d == 0 and (window is None or window % d == 0) and (sizes is None or d in sizes)
+    ]
     return (
         f"distributed.tp_size = {tp} must divide the GPT's heads (model.options.n_head = {n_head}) and width "
         f"(n_embd = {n_embd}), each rank holding whole heads; use distributed.tp_size in {fits}"

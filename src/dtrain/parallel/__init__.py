@@ -17,7 +17,7 @@ observer of its communication (observer.py) that the step timer satisfies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -28,7 +28,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel import blocks, deferred
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.deferred import to_device as to_device
-from dtrain.parallel.dims import ParallelDims
+from dtrain.parallel.dims import ParallelDims, tp_sizes
 from dtrain.parallel.observer import CommObserver
 
 SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the state
@@ -115,25 +115,47 @@ def build(
     return strategy
 
 
-def model_problem(config: Config, module: nn.Module, tp_plan: Mapping[str, Any] | None = None) -> str | None:
+def model_problem(
+    config: Config, module: nn.Module, tp_plan: Mapping[str, Any] | None = None, world: tuple[int, int] | None = None
+) -> str | None:
     """What the sizes cannot split `module` into (it may be on the meta device: the launcher checks the
-    built-in models so, before any worker starts), or None."""
+    built-in models so, before any worker starts), or None. `world`: (processes, processes per node), so
+    that a refusal offers only tensor-parallel sizes that also factor it."""
     from dtrain.parallel import tensor
 
     if config.distributed.pp_size > 1:  # enough blocks for the stages (raises)
         from dtrain.parallel.stages import check_model
 
         check_model(module, config)
-    window = config.data.block_size if config.data.name == "tokens" else None  # what sequence parallel splits
-    return tensor.problem(module, config.distributed.tp_size, tp_plan, window)
+    sizes = tp_sizes(config, *world) if world is not None else None
+    return tensor.problem(module, config.distributed.tp_size, tp_plan, _window(config), sizes)
 
 
-def check_sharding(config: Config, world_size: int, local_world_size: int, device_type: str = "cpu") -> str | None:
+def takes_tp(config: Config, module: nn.Module, tp: int) -> bool:
+    """Whether `tp` tensor-parallel processes can split `module` (its heads, width, windows)."""
+    from dtrain.parallel import tensor
+
+    return tensor.problem(module, tp, None, _window(config)) is None
+
+
+def _window(config: Config) -> int | None:
+    """The window sequence parallel splits over the tensor-parallel processes, where the data says it."""
+    return config.data.block_size if config.data.name == "tokens" else None
+
+
+def check_sharding(
+    config: Config,
+    world_size: int,
+    local_world_size: int,
+    device_type: str = "cpu",
+    tp_fits: Callable[[int], bool] | None = None,
+) -> str | None:
     """What the strategy and the model-splitting sizes cannot do with this config and world (the launcher
-    checks it before any worker starts), or None."""
+    checks it before any worker starts), or None. `tp_fits`: whether the model splits over that many
+    tensor-parallel processes (a refusal offers only sizes that would work)."""
     dc, name = config.distributed, config.distributed.strategy
     try:  # the processes must fill every dimension (hsdp: whole shard groups; tp within a node)
-        dims = ParallelDims.from_config(config, world_size, local_world_size)
+        dims = ParallelDims.from_config(config, world_size, local_world_size, tp_fits)
     except ConfigError as exc:
         return str(exc)
     if dims.cp > 1 and device_type != "cuda":

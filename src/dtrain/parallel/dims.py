@@ -17,6 +17,7 @@ stages the slowest-changing coordinate (across groups of nodes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -48,9 +49,12 @@ class ParallelDims:
                 raise ConfigError(f"the {f.name} degree of parallelism must be a whole number >= 1; got {degree!r}")
 
     @classmethod
-    def from_config(cls, config: Config, world_size: int, local_world_size: int) -> ParallelDims:
+    def from_config(
+        cls, config: Config, world_size: int, local_world_size: int, tp_fits: Callable[[int], bool] | None = None
+    ) -> ParallelDims:
         """The dimensions these keys fill with `world_size` processes, `local_world_size` per node;
-        refused in one line when they cannot."""
+        refused in one line when they cannot. `tp_fits`: whether the model splits over that many
+        tensor-parallel processes, so that a refusal offers only sizes that would work."""
         dc = config.distributed
         model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
         split = math.prod(model.values())
@@ -58,7 +62,10 @@ class ParallelDims:
             used = [k for k, v in model.items() if v > 1]
             named = " × ".join(f"{_KEYS[k]} = {model[k]}" for k in used)
             multiples = ", ".join(str(split * i) for i in range(1, 5))
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0][:8]
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            if used == ["tp"] and tp_fits is not None:
+                divisors = [d for d in divisors if tp_fits(d)]
+            divisors = divisors[:8]
             instead = f"set sizes whose product divides {world_size}"
             if len(used) == 1:
                 key = _KEYS[used[0]]
@@ -162,3 +169,15 @@ class ParallelDims:
         if self.dp_replicate > 1 and self.dp_shard > 1:
             return mesh["dp_replicate", shard]
         return mesh[shard if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"]
+
+
+def tp_sizes(config: Config, world_size: int, local_world_size: int) -> list[int]:
+    """The tensor-parallel sizes that factor a world of `world_size` processes, `local_world_size` per
+    node, with the other sizes as set (tp × cp within a node when the job spans several)."""
+    dc = config.distributed
+    return [
+        d
+        for d in range(1, world_size + 1)
+        if world_size % (d * dc.pp_size * dc.cp_size) == 0
+        and (world_size <= local_world_size or local_world_size % (d * dc.cp_size) == 0)
+    ]

@@ -16,7 +16,7 @@ over the data dimensions (torchtitan's order). Parameters become DTensors on the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
@@ -37,14 +37,23 @@ HOW = (
 )
 
 
-def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None, window: int | None = None) -> str | None:
+def problem(
+    module: nn.Module,
+    tp: int,
+    plan: Mapping[str, Any] | None = None,
+    window: int | None = None,
+    sizes: Collection[int] | None = None,
+) -> str | None:
     """Why `module` cannot be split over `tp` processes (no plan; sizes its plan cannot split, windows of
-    `window` tokens among them), or None."""
+    `window` tokens among them), or None. The sizes a refusal offers are of `sizes` (those the world
+    takes), where given."""
     if tp == 1 or plan is not None:
         return None
     if callable(getattr(module, "tp_plan", None)):
         check = getattr(module, "tp_problem", None)
-        return check(tp, window) if callable(check) else None
+        if not callable(check):
+            return None
+        return check(tp, window) if sizes is None else check(tp, window, sizes)
     hf = _hf_model(module)
     if hf is None:
         return f"{type(module).__name__} has no tensor-parallel plan (distributed.tp_size = {tp}); {HOW}"
@@ -54,6 +63,7 @@ def problem(module: nn.Module, tp: int, plan: Mapping[str, Any] | None = None, w
     if uneven:
         counts = [v for v in heads.values() if isinstance(v, int)]
         fits = [d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)]
+        fits = [d for d in fits if sizes is None or d in sizes]
         named = ", ".join(f"{k} = {v}" for k, v in uneven.items())
         return (
             f"distributed.tp_size = {tp} must divide the model's heads ({named}), each rank holding whole "
