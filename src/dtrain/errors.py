@@ -58,7 +58,8 @@ EXIT_RUN_DIR_LOST = 73
 
 class RunDirLost(DtrainError):
     """Rank 0 lost run.dir's lease while the run lived: the group stopped at a step boundary, every rank
-    together, and wrote nothing more to the store (another run owns it now)."""
+    together, and wrote nothing more to the store (another run owns it now). Lost after the last step,
+    rank 0 says so as the run ends: its last outputs are only in the staging folder."""
 
     exit_code = EXIT_RUN_DIR_LOST
 

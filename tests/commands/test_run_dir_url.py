@@ -167,44 +167,42 @@ SLOW = [
 ]
 
 
-def test_a_run_whose_lease_is_taken_over_stops_and_writes_nothing_more(s3, tmp_path):
-    """Another run takes the lease over (as after an expiry): the run stops at its next step with one line
-    naming run.dir and what happened, exit 73, no checkpoint, and the store stays as the new holder left it."""
-    prefix = "runs/taken"
-    url, fs = s3.url(prefix), s3.filesystem()
-    lease, metrics = f"{s3.bucket}/{prefix}/.lease", f"{s3.bucket}/{prefix}/metrics.jsonl"
-    extra = {**on(s3, tmp_path), "DTRAIN_LEASE_TERM_S": "3"}  # renewed every second
-    run = subprocess.Popen(
-        [sys.executable, "-m", "dtrain", "run", *SLOW, f"run.dir={url}"],
+# Whose lease it is once another run took it over (as after an expiry; its expiry is set when taken).
+NEW_HOLDER = {"host": "elsewhere", "pid": 4242, "run": "the-new-one", "since": "now"}
+
+
+def start_on_the_store(s3, tmp_path, url, *overrides):
+    """`dtrain run SLOW` on run.dir `url`, its lease renewed every second."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "run", *SLOW, f"run.dir={url}", *overrides],
         cwd=ROOT,
-        env=env(**extra),
+        env=env(**on(s3, tmp_path), DTRAIN_LEASE_TERM_S="3"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def take_the_lease_over(s3, prefix, run, once_sent: bytes) -> tuple[dict, int]:
+    """Once the store's metrics.jsonl holds `once_sent`, another run takes the lease over; returns when the
+    run's renewal has found it taken: the new holder's lease, and the requests the store had answered then."""
+    fs, deadline = s3.filesystem(), time.time() + 120
+    lease, metrics = f"{s3.bucket}/{prefix}/.lease", f"{s3.bucket}/{prefix}/metrics.jsonl"
+    while once_sent not in (fs.cat_file(metrics) if fs.exists(metrics) else b""):  # training, and sending
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.2)
+        fs.invalidate_cache()
+    taken_at, holder = len(s3.requests()), {**NEW_HOLDER, "expires": time.time() + 600}
+    fs.pipe_file(lease, json.dumps(holder).encode())
+    while not [r for r in s3.requests()[taken_at:] if r[0] == "PUT" and r[1].startswith(f"/{lease}") and r[2] == 412]:
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.1)  # until the run's renewal finds it taken
+    return holder, len(s3.requests())
+
+
+def the_line_of_a_run_that_lost_run_dir(run, url) -> str:
+    """The one `dtrain:` line of a run that ended with exit 73, naming run.dir and its new holder."""
     try:
-        deadline = time.time() + 120
-        while b'"loss"' not in (fs.cat_file(metrics) if fs.exists(metrics) else b""):  # training, and sending
-            assert run.poll() is None and time.time() < deadline, run.communicate()
-            time.sleep(0.2)
-            fs.invalidate_cache()
-        # The new holder takes the lease (as after an expiry), then writes there as the run.dir's owner.
-        new_holder = {
-            "host": "elsewhere",
-            "pid": 4242,
-            "run": "the-new-one",
-            "since": "now",
-            "expires": time.time() + 600,
-        }
-        taken_at = len(s3.requests())
-        fs.pipe_file(lease, json.dumps(new_holder).encode())
-        while not [
-            r for r in s3.requests()[taken_at:] if r[0] == "PUT" and r[1].startswith(f"/{lease}") and r[2] == 412
-        ]:
-            assert run.poll() is None and time.time() < deadline, run.communicate()
-            time.sleep(0.1)  # until the run's renewal finds it taken
-        found_at = len(s3.requests())
-        fs.pipe_file(metrics, b"")
         out, err = run.communicate(timeout=120)
     finally:
         if run.poll() is None:
@@ -213,7 +211,20 @@ def test_a_run_whose_lease_is_taken_over_stops_and_writes_nothing_more(s3, tmp_p
     assert run.returncode == 73, (run.returncode, out, err)
     said = f"dtrain: error: run.dir {url}: another run took its lease over (pid 4242 on elsewhere, run the-new-one"
     assert len(lines) == 1 and lines[0].startswith(said), lines
-    assert re.search(r"; this run stopped at step \d+ and wrote nothing more there$", lines[0]), lines[0]
+    return lines[0]
+
+
+def test_a_run_whose_lease_is_taken_over_stops_and_writes_nothing_more(s3, tmp_path):
+    """Another run takes the lease over (as after an expiry): the run stops at its next step with one line
+    naming run.dir and what happened, exit 73, no checkpoint, and the store stays as the new holder left it."""
+    prefix = "runs/taken"
+    url, fs = s3.url(prefix), s3.filesystem()
+    lease, metrics = f"{s3.bucket}/{prefix}/.lease", f"{s3.bucket}/{prefix}/metrics.jsonl"
+    run = start_on_the_store(s3, tmp_path, url)
+    new_holder, found_at = take_the_lease_over(s3, prefix, run, once_sent=b'"loss"')
+    fs.pipe_file(metrics, b"")  # the new holder writes there as the run.dir's owner
+    line = the_line_of_a_run_that_lost_run_dir(run, url)
+    assert re.search(r"; this run stopped at step \d+ and wrote nothing more there$", line), line
     fs.invalidate_cache()
     assert json.loads(fs.cat_file(lease)) == new_holder and fs.cat_file(metrics) == b""
     assert not fs.exists(f"{s3.bucket}/{prefix}/model.safetensors") and not fs.exists(
@@ -224,3 +235,25 @@ def test_a_run_whose_lease_is_taken_over_stops_and_writes_nothing_more(s3, tmp_p
     assert all(status >= 400 for _, _, status in after[1:]), after  # [0]: the new holder's metrics
     # No checkpoint at the stop, not even in the local staging folder.
     assert not list(tmp_path.glob("dtrain/run-dirs/*/checkpoints/step-*")), list(tmp_path.glob("dtrain/run-dirs/*/*"))
+
+
+def test_a_run_whose_lease_is_taken_over_after_its_last_step_says_where_its_final_weights_are(s3, tmp_path):
+    """The lease taken over during the evaluation after the last step: the run still writes its final
+    weights, into the staging folder only (the store is the new holder's), and ends with exit 73 and one
+    line saying where they are — not 0, as if the store held them."""
+    prefix = "runs/taken-at-the-end"
+    url, fs = s3.url(prefix), s3.filesystem()
+    slow_eval = "model.options={hidden_size = 32, step_sleep_s = 0.05, eval_sleep_s = 1.0}"
+    run = start_on_the_store(s3, tmp_path, url, "data.num_samples=640", slow_eval, "training.eval_batches=8")
+    # 16 steps (512 of the 640 samples train): the last one's line is sent as the 8 s evaluation runs.
+    new_holder, _ = take_the_lease_over(s3, prefix, run, once_sent=b'"step": 16, ')
+    line = the_line_of_a_run_that_lost_run_dir(run, url)
+    (staging,) = tmp_path.glob("dtrain/run-dirs/*")
+    assert line.endswith(
+        f"; what this run wrote after that (its final weights among them, once written) was not sent there and is "
+        f"only in {staging} on this machine: copy it out before a run on the same run.dir starts here"
+    ), line
+    assert load_file(staging / "model.safetensors")  # whole, where the line says
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(f"{s3.bucket}/{prefix}/.lease")) == new_holder
+    assert not fs.exists(f"{s3.bucket}/{prefix}/model.safetensors")

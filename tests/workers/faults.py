@@ -30,6 +30,7 @@ class DyingMLP(nn.Module):
         stall_rank=-1,
         oom_at_forward=0,
         oom_gib=0,
+        eval_sleep_s=0.0,
     ):
         super().__init__()
         self.net = nn.Sequential(
@@ -49,6 +50,7 @@ class DyingMLP(nn.Module):
         self.stall_at, self.stall_rank = stall_at_forward, stall_rank
         self.oom_at = oom_at_forward
         self.oom_gib = oom_gib  # > 0: really allocate this much on the device (a GPU's true OOM)
+        self.eval_sleep_s = eval_sleep_s  # slows evaluation down (the last one: after the last step)
 
     def forward(self, x):
         if self.training:
@@ -67,6 +69,8 @@ class DyingMLP(nn.Module):
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if self.slow_rank in (-1, rank) and self.forwards >= self.slow_from:
                 time.sleep(self.step_sleep_s)
+        else:
+            time.sleep(self.eval_sleep_s)
         return self.net(x)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from dtrain import distributed, objstore, rundir
 from dtrain.checkpoint.store import CheckpointStore
 from dtrain.config import CheckpointConfig, RunConfig
-from dtrain.errors import DtrainError
+from dtrain.errors import DtrainError, RunDirLost
 from dtrain.models import described
 from dtrain.rundir.lease import RunDirLease
 from dtrain.rundir.lock import RunDirLock
@@ -125,6 +125,20 @@ class RunDirClaim:
             if self.lease is not None:
                 self.lease.release()
             self.lock.release(remove_if_created=remove_if_created)
+
+    def end(self, _kind: object, error: BaseException | None, _trace: object) -> None:
+        """Release at the end of fit (an ExitStack exit callback). A run that lost its lease on the store
+        after its last step (sooner, it stops there: train.stopping) and would otherwise end well is
+        refused: what it wrote since its last sending never reached the store and is only in the staging
+        folder, which a later run on the same run.dir here would empty."""
+        self.release()
+        lost = self.lease.lost_line if self.lease is not None else ""
+        if error is None and lost:
+            raise RunDirLost(
+                f"{lost}; what this run wrote after that (its final weights among them, once written) was not "
+                f"sent there and is only in {self.run_dir} on this machine: copy it out before a run on the same "
+                f"run.dir starts here"
+            )
 
 
 def _whose(again: bool, overwrite: bool) -> str:

@@ -47,6 +47,7 @@ class RunDirLease:
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.took_over = ""  # the line saying whose expired lease acquire() took over, if it did
         self.lost = False  # set when a renewal found the lease taken by another run, or failed past its term
+        self.lost_line = ""  # the line saying so
         # Told (instead of `say`) the line saying so: the run then stops writing (train.stopping, RunDirLost).
         self.on_lost = on_lost
         self._renewed = time.monotonic()  # when the store last took this run's lease
@@ -103,7 +104,7 @@ class RunDirLease:
     def _lose(self, what: str) -> None:
         """The lease is no longer this run's: nothing more is sent (see rundir.claim) and the run stops."""
         self.lost = True
-        line = f"run.dir {self.url.rsplit('/', 1)[0]}: {what}"
+        line = self.lost_line = f"run.dir {self.url.rsplit('/', 1)[0]}: {what}"
         if self.on_lost is not None:
             self.on_lost(line)
         else:

@@ -205,7 +205,7 @@ class Trainer:
         self._left_together = False
         with contextlib.ExitStack() as held:  # released in reverse order: the process group last
             held.callback(lambda: distributed.stop(session, self._left_together or stopping.left_together))
-            held.callback(claim.release)
+            held.push(claim.end)  # released; a lease lost on a store after the last step is said
             held.callback(lambda: None if self._left_together else claim.forget(self.step, monitor.close))
             held.enter_context(stopping.request)  # SIGTERM asks the run to stop: see stopping.py
             # A failed run's trackers say so, ended while a SIGTERM (a failed job's other ranks being
