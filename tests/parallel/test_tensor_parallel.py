@@ -175,6 +175,12 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_
             "any layout)",  # 3 and 6 divide the processes, not the 4 heads
         ),
         (
+            "12",
+            ["distributed.tp_size=5", "distributed.strategy=fsdp"],
+            "distributed.tp_size = 5 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
+            "each rank holding whole heads; use distributed.tp_size in [1, 2, 4]",  # no world takes 5: the heads first
+        ),
+        (
             "4",
             ["distributed.tp_size=2"],
             "distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = 2 splits it "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from dtrain.launch import gpus as devices
 from dtrain.observe.tracker_servers import check_servers
 from dtrain.observe.trackers import check_installed
 from dtrain.parallel.ddp_comm import check_comm_hook
+from dtrain.parallel.dims import TpProblem
 from dtrain.rundir.lock import RunDirLock
 from dtrain.rundir.mirror import fetch_for_launcher
 from dtrain.train.amp import precision_problem
@@ -42,7 +43,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     check_comm_hook(config.distributed.comm_hook, backend)
     gpus = devices.visible_gpus()
     device_type = "cuda" if gpus and config.training.device != "cpu" else "cpu"
-    problem = parallel.check_sharding(config, world_size, local_world_size, device_type, _model_takes_tp(config))
+    problem = parallel.check_sharding(config, world_size, local_world_size, device_type, _model_tp_problem(config))
     if problem:
         raise ConfigError(problem)
     distributed.check_device_capacity(backend, local_world_size, len(gpus))
@@ -102,10 +103,10 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     return None
 
 
-def _model_takes_tp(config: Config) -> Callable[[int], bool]:
-    """Whether the job's built-in model splits over that many tensor-parallel processes; asked only by a
-    refusal of the sizes, to offer those that would work. The model is built then, on the meta device;
-    one that cannot be built yet takes any size (its own check says why, later)."""
+def _model_tp_problem(config: Config) -> TpProblem:
+    """Why the job's built-in model cannot be split over that many tensor-parallel processes; asked only by
+    a refusal of the sizes, to give the model's reason and offer sizes that would work. The model is built
+    then, on the meta device; one that cannot be built yet has no reason (its own check says why, later)."""
 
     @functools.cache
     def model() -> torch.nn.Module | None:
@@ -115,8 +116,8 @@ def _model_takes_tp(config: Config) -> Callable[[int], bool]:
         except DtrainError:
             return None
 
-    def takes(tp: int) -> bool:
+    def problem(tp: int, sizes: Collection[int] | None) -> str | None:
         built = model()
-        return built is None or parallel.takes_tp(config, built, tp)
+        return parallel.tp_problem(config, built, tp, sizes) if built is not None else None
 
-    return takes
+    return problem

@@ -17,7 +17,7 @@ observer of its communication (observer.py) that the step timer satisfies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import nn
@@ -28,7 +28,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel import blocks, deferred
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.deferred import to_device as to_device
-from dtrain.parallel.dims import ParallelDims, tp_sizes
+from dtrain.parallel.dims import ParallelDims, TpProblem, tp_sizes
 from dtrain.parallel.observer import CommObserver
 
 SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the state
@@ -131,11 +131,12 @@ def model_problem(
     return tensor.problem(module, config.distributed.tp_size, tp_plan, _window(config), sizes)
 
 
-def takes_tp(config: Config, module: nn.Module, tp: int) -> bool:
-    """Whether `tp` tensor-parallel processes can split `module` (its heads, width, windows)."""
+def tp_problem(config: Config, module: nn.Module, tp: int, sizes: Collection[int] | None = None) -> str | None:
+    """Why `tp` tensor-parallel processes cannot split `module` (its heads, width, windows), offering sizes
+    of `sizes` where given; None where they can."""
     from dtrain.parallel import tensor
 
-    return tensor.problem(module, tp, None, _window(config)) is None
+    return tensor.problem(module, tp, None, _window(config), sizes)
 
 
 def _window(config: Config) -> int | None:
@@ -148,14 +149,14 @@ def check_sharding(
     world_size: int,
     local_world_size: int,
     device_type: str = "cpu",
-    tp_fits: Callable[[int], bool] | None = None,
+    model_tp_problem: TpProblem | None = None,
 ) -> str | None:
     """What the strategy and the model-splitting sizes cannot do with this config and world (the launcher
-    checks it before any worker starts), or None. `tp_fits`: whether the model splits over that many
-    tensor-parallel processes (a refusal offers only sizes that would work)."""
+    checks it before any worker starts), or None. `model_tp_problem`: the model's own reason a tp size
+    cannot split it (see ParallelDims.from_config)."""
     dc, name = config.distributed, config.distributed.strategy
     try:  # the processes must fill every dimension (hsdp: whole shard groups; tp within a node)
-        dims = ParallelDims.from_config(config, world_size, local_world_size, tp_fits)
+        dims = ParallelDims.from_config(config, world_size, local_world_size, model_tp_problem)
     except ConfigError as exc:
         return str(exc)
     if dims.cp > 1 and device_type != "cuda":

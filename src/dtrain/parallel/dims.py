@@ -17,7 +17,7 @@ stages the slowest-changing coordinate (across groups of nodes).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,10 @@ from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+# Why the model cannot be split over that many tensor-parallel processes, in one line offering sizes of
+# those given (all where None); None where it can.
+TpProblem = Callable[[int, Collection[int] | None], str | None]
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
 _KEYS = {"tp": "distributed.tp_size", "pp": "distributed.pp_size", "cp": "distributed.cp_size"}
@@ -50,21 +54,25 @@ class ParallelDims:
 
     @classmethod
     def from_config(
-        cls, config: Config, world_size: int, local_world_size: int, tp_fits: Callable[[int], bool] | None = None
+        cls, config: Config, world_size: int, local_world_size: int, tp_problem: TpProblem | None = None
     ) -> ParallelDims:
         """The dimensions these keys fill with `world_size` processes, `local_world_size` per node;
-        refused in one line when they cannot. `tp_fits`: whether the model splits over that many
-        tensor-parallel processes, so that a refusal offers only sizes that would work."""
+        refused in one line when they cannot. `tp_problem`: why the model cannot be split over that many
+        tensor-parallel processes (None: it can), so that a refusal of tp_size gives the model's reason
+        where it has one and offers only sizes that would work."""
         dc = config.distributed
         model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
         split = math.prod(model.values())
         if world_size % split:
             used = [k for k, v in model.items() if v > 1]
+            said = tp_problem(dc.tp_size, tp_sizes(config, world_size, local_world_size)) if tp_problem else None
+            if used == ["tp"] and said:  # no world takes this size: the model's reason, its sizes this world's
+                raise ConfigError(said)
             named = " × ".join(f"{_KEYS[k]} = {model[k]}" for k in used)
             multiples = ", ".join(str(split * i) for i in range(1, 5))
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            if used == ["tp"] and tp_fits is not None:
-                divisors = [d for d in divisors if tp_fits(d)]
+            if used == ["tp"] and tp_problem is not None:
+                divisors = [d for d in divisors if tp_problem(d, None) is None]
             divisors = divisors[:8]
             instead = f"set sizes whose product divides {world_size}"
             if len(used) == 1:
