@@ -65,9 +65,10 @@ class ParallelDims:
         split = math.prod(model.values())
         if world_size % split:
             used = [k for k, v in model.items() if v > 1]
-            said = tp_problem(dc.tp_size, tp_sizes(config, world_size, local_world_size)) if tp_problem else None
-            if used == ["tp"] and said:  # no world takes this size: the model's reason, its sizes this world's
-                raise ConfigError(said)
+            if used == ["tp"] and tp_problem is not None:  # the model refuses this size on any world: that first
+                said = tp_problem(dc.tp_size, tp_sizes(config, world_size, local_world_size))
+                if said:
+                    raise ConfigError(said)
             named = " × ".join(f"{_KEYS[k]} = {model[k]}" for k in used)
             multiples = ", ".join(str(split * i) for i in range(1, 5))
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
