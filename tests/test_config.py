@@ -298,3 +298,29 @@ def test_the_built_in_models_declared_options_are_their_builders():
         assert set(MODEL_OPTIONS[name]) == params, name
     assert set(MODEL_TAKES) == set(models.BUILT_IN)
     assert set(MODEL_TAKES.values()) == set(DATA_GIVES.values()) == {"tokens", "features"}
+
+
+def test_a_key_in_another_frameworks_vocabulary_is_answered_with_the_dtrain_key_it_means(tmp_path):
+    """Every name of the table, where a user puts it (under a section, or bare at the top of the file), is
+    refused in one line naming dtrain's key — as the table says, or as the nearest spelling where that is the
+    same key; never another key that is merely spelt alike (`learning_rate` is closest to `optimizer.name`)."""
+    from dtrain.config.foreign import FOREIGN
+    from dtrain.config.job import SECTIONS
+
+    keys = set(all_keys())
+    for name, (meaning, _) in FOREIGN.items():
+        section = next(s for s in SECTIONS if f"{s}.{name}" not in keys)
+        bare = [] if name in SECTIONS else [f"{name} = 1\n"]  # `optimizer = 1` is a section that is no table
+        for text in (f"[{section}]\n{name} = 1\n", *bare):
+            job = tmp_path / "job.toml"
+            job.write_text(text)
+            with pytest.raises(ConfigError) as refused:
+                load_config(str(job))
+            message = str(refused.value)
+            assert meaning in message and "\n" not in message, (text, message)
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(ROOT / "examples" / "digits_mlp.toml"), ["optimizer.learning_rate=0.2"])
+    assert str(refused.value) == (
+        "unknown key 'optimizer.learning_rate' on the command line; 'learning_rate' (Hugging Face, Accelerate, "
+        "torchtitan) is optimizer.lr in dtrain"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import tomli_w
 
+from dtrain.config.foreign import foreign_hint
 from dtrain.config.sections import (
     DATA_GIVES,
     CheckpointConfig,
@@ -328,7 +329,9 @@ def _section(config: Config, name: str, source: str, full_key: str | None = None
     candidates = all_keys() if "." in wanted else SECTIONS
     close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; sections are {', '.join(SECTIONS)}"
-    raise ConfigError(f"unknown {'key' if '.' in wanted else 'section'} '{wanted}' {where(source)}{hint}")
+    hint = f"; {foreign}" if (foreign := foreign_hint(wanted, close[0] if close else None)) else hint
+    what = "key" if "." in wanted or foreign else "section"  # a bare `learning_rate = 0.1` is meant as a key
+    raise ConfigError(f"unknown {what} '{wanted}' {where(source)}{hint}")
 
 
 def _field_names(section: Section) -> list[str]:
@@ -342,6 +345,7 @@ def _assign(section: Section, key: str, value: Any, source: str, raw_text: str |
     if name not in fields_by_name:
         close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else f"; [{section_name}] has {', '.join(fields_by_name)}"
+        hint = f"; {foreign}" if (foreign := foreign_hint(key, close[0] if close else None)) else hint
         raise ConfigError(f"unknown key '{key}' {where(source)}{hint}")
     f = fields_by_name[name]
     type_ = typing.get_type_hints(type(section))[f.name]
