@@ -7,7 +7,7 @@ import torch
 from dtrain import data, models
 from dtrain.config import load_config
 from dtrain.errors import ConfigError, DataError
-from helpers import fake_mnist, write_idx
+from helpers import dtrain, fake_mnist, write_idx
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -63,6 +63,27 @@ def test_mnist_missing_and_corrupt_files_are_named(tmp_path):
     write_idx(tmp_path / "train-labels-idx1-ubyte", [1, 2, 3, 200, 4, 5, 6, 7])  # a label no digit has
     with pytest.raises(DataError, match="holds label 200; MNIST labels are the digits 0-9"):
         data.check(cfg)
+
+
+def test_a_failed_download_leaves_no_folder_it_made(tmp_path):
+    """Nothing outside this machine answers: the download fails in one line, and the folders it made for the
+    files are gone (an empty data/mnist would look like data that is there); a folder that was there stays."""
+    from dtrain.data import mnist
+
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(DataError, match=r"could not download train-images-idx3-ubyte\.gz into .*data/mnist"):
+        mnist.download(tmp_path / "kept" / "data" / "mnist")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+def test_the_mnist_example_names_its_own_flags_when_the_files_are_missing(tmp_path):
+    """examples/mnist_ddp.py is a script with --data and --download, not a config: its one line says those."""
+    result = dtrain("launch", "--nproc", "1", "examples/mnist_ddp.py", "--data", str(tmp_path / "none"))
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"dtrain: error: --data = '{tmp_path / 'none'}' does not hold the MNIST IDX files (train-images-idx3-ubyte, "
+        "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); put them there or "
+        "pass --download"
+    ], result.stderr
 
 
 def test_an_empty_mnist_file_is_named_by_the_launcher(tmp_path):

@@ -49,10 +49,10 @@ def find_files(root: str | Path) -> dict[str, Path] | None:
     return None
 
 
-def missing_files_message(root: str | Path) -> str:
+def missing_files_message(root: str | Path, fetch: str = "set data.download=true", key: str = "data.path") -> str:
     return (
-        f"data.path = '{root}' does not hold the MNIST IDX files ({', '.join(FILES.values())}, "
-        f"plain or .gz); put them there or set data.download=true"
+        f"{key} = '{root}' does not hold the MNIST IDX files ({', '.join(FILES.values())}, "
+        f"plain or .gz); put them there or {fetch}"
     )
 
 
@@ -81,11 +81,15 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
 
 
-def load(root: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """((train_x, train_y), (test_x, test_y)); x is float32 N×1×28×28 in [0, 1] like ToTensor gives."""
+def load(
+    root: str | Path, fetch: str = "set data.download=true", key: str = "data.path"
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """((train_x, train_y), (test_x, test_y)); x is float32 N×1×28×28 in [0, 1] like ToTensor gives.
+    `fetch` and `key`: how the caller's user asks for the download and names the folder, said when the
+    files are missing (a script's own flags: "pass --download", "--data")."""
     files = find_files(root)
     if files is None:
-        raise DataError(missing_files_message(root))
+        raise DataError(missing_files_message(root, fetch, key))
 
     def images(key: str) -> torch.Tensor:
         arr = read_idx(files[key])
@@ -113,9 +117,23 @@ def load(root: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[tor
 
 
 def download(root: str | Path) -> None:
-    """Fetch the four gzipped files into `root`, checking each MD5; written atomically."""
+    """Fetch the four gzipped files into `root`, checking each MD5; written atomically. A download that
+    fails leaves no folder it created behind (an empty `root` would look like data that is there)."""
     root = Path(root)
+    created = [folder for folder in (root, *root.absolute().parents) if not folder.exists()]
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch_into(root)
+    except BaseException:
+        for folder in created:  # deepest first; one that holds anything (another process's files) stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _fetch_into(root: Path) -> None:
     for name, md5 in MD5.items():
         target = root / name
         if target.is_file() and _md5(target) == md5:
@@ -139,7 +157,7 @@ def download(root: str | Path) -> None:
         else:
             raise DataError(
                 f"could not download {name} into {root} ({'; '.join(errors)}); "
-                f"download the MNIST IDX files by hand into data.path"
+                f"download the MNIST IDX files by hand into {root}"
             )
 
 
