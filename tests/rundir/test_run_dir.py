@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, TIMEOUT, dtrain, env, mount_tmpfs, ok, run, train_lines, unmount
 
@@ -54,9 +55,12 @@ def test_a_run_dir_holding_other_files_is_refused_unless_allowed(tmp_path):
 
 
 def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
-    """No checkpoint to continue from: a rerun would mix two runs in one TensorBoard and one metrics
-    file. Refused, untouched; with run.overwrite=true the earlier outputs go first."""
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))
+    """No checkpoint to continue from (checkpoint.at_end=false, weights from a dtrain older than their end
+    record): a rerun would mix two runs in one TensorBoard and one metrics file. Refused, untouched; with
+    run.overwrite=true the earlier outputs go first."""
+    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.at_end=false"))
+    weights = tmp_path / "model.safetensors"  # as an older dtrain wrote them: no record of the run's end
+    save_file(load_file(weights), weights, metadata={"format": "pt", "written_by": "dtrain"})
     before = snapshot(tmp_path)
     refused(
         dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01"),
@@ -85,7 +89,8 @@ def test_overwrite_starts_afresh_even_over_checkpoints(tmp_path):
     again = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "training.epochs=2"))
     assert "resumed" not in again.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 11))
-    assert not (tmp_path / "checkpoints").exists() and len(event_files(tmp_path)) == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]  # the new run's end
+    assert len(event_files(tmp_path)) == 1
     refused(
         dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "--resume"),
         "run.overwrite=true starts afresh and --resume (checkpoint.resume=yes) continues from a checkpoint: choose one",

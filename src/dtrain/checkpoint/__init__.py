@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dtrain import rundir
 from dtrain.checkpoint.best import BestKeeper
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.pending import PendingCheckpoint, completed
@@ -42,6 +43,7 @@ __all__ = [
     "Parts",
     "PendingCheckpoint",
     "Position",
+    "evaluated_at",
     "finished",
     "resume_geometry",
     "truncate_metrics",
@@ -74,8 +76,9 @@ class Checkpointer:
     def due(self, step: int, *, last: bool, forced: bool) -> bool:
         """The save policy, in one place (every rank decides alike). After step `step`, a checkpoint is
         written when the run stops early (`forced`: SIGTERM, training.stop_at_step), every
-        `checkpoint.every_steps` steps, and at the `last` step when checkpoints are scheduled or this
-        run has one (a rerun would resume from it and train the end again) — never twice for a step."""
+        `checkpoint.every_steps` steps, and at the `last` step unless `checkpoint.at_end = false` — even
+        then when checkpoints are scheduled or this run has one (a rerun would resume from it and train the
+        end again) — never twice for a step."""
         if step == self.last_saved_step:
             return False
         if self._in_flight is not None and self._in_flight.step == step:
@@ -85,7 +88,11 @@ class Checkpointer:
         scheduled = bool(every) and step % every == 0
         # checkpoint.every_epochs: at the end of every such epoch (its last step, before it evaluates)
         scheduled |= bool(epochs and per_epoch) and step % per_epoch == 0 and (step // per_epoch) % epochs == 0
-        return forced or scheduled or (last and (bool(every or epochs) or self.last_saved_step is not None))
+        return (
+            forced
+            or scheduled
+            or (last and (self.config.at_end or bool(every or epochs) or self.last_saved_step is not None))
+        )
 
     def consider_best(self, step: int, record: dict[str, Any]) -> None:
         """checkpoint.keep_best, after the evaluation at `step` (on every rank: a missing metric stops all)."""
@@ -349,10 +356,7 @@ def choose_resume(store: CheckpointStore, mode: str, resume_from: str = "") -> C
             f"another run.dir"
         )
     if mode == "yes" and newest is None:
-        raise CheckpointError(
-            f"--resume: {store.root} holds no complete checkpoint to continue from (the run "
-            f"stopped before its first); start afresh with run.overwrite=true instead of --resume"
-        )
+        raise CheckpointError(nothing_to_resume(store))
     return newest if mode != "no" else None
 
 
@@ -484,21 +488,25 @@ def finished(
         return None
     store = CheckpointStore(run_dir)
     mode = "auto" if later_attempt() else config.checkpoint.resume
-    checkpoint = choose_resume(store, mode, config.checkpoint.resume_from)
-    if checkpoint is None or not (run_dir / "model.safetensors").is_file():
-        return None
-    try:
-        meta = checkpoint.meta()
-    except (OSError, ValueError):
-        return None
-    if marker_problem(meta, checkpoint.step):  # also: not an object
-        return None
+    checkpoint, meta = None, rundir.weights_end(run_dir)
+    if config.checkpoint.resume_from or mode == "no" or store.newest() is not None or meta is None:
+        checkpoint = choose_resume(store, mode, config.checkpoint.resume_from)
+        if checkpoint is None or not (run_dir / "model.safetensors").is_file():
+            return None
+        try:
+            meta = checkpoint.meta()
+        except (OSError, ValueError):
+            return None
+        if marker_problem(meta, checkpoint.step):  # also: not an object
+            return None
+    # else the run ended without a checkpoint (checkpoint.at_end = false): its final weights say how
+    step = checkpoint.step if checkpoint is not None else meta["step"]
     plan, identity = meta.get("plan"), meta.get("identity")
     if not isinstance(plan, dict) or not isinstance(identity, dict):
         return None
     per_epoch = plan.get("steps_per_epoch")
     same_plan = [plan.get(key) for key in ("steps", "training.epochs", "training.max_steps")] == [
-        checkpoint.step,
+        step,
         config.training.epochs,
         config.training.max_steps,
     ]
@@ -508,10 +516,35 @@ def finished(
         return None
     if _what_changed(config, run_dir):
         return None
-    store.check_intact(checkpoint)  # a damaged checkpoint is named, as when the run would resume from it
-    step, epochs = checkpoint.step, epoch_of(checkpoint.step, per_epoch)
+    if checkpoint is not None:
+        store.check_intact(checkpoint)  # a damaged checkpoint is named, as when the run would resume from it
+    epochs = epoch_of(step, per_epoch)
+    said = f"run.dir {run_dir} is already complete (step {step} of {step}, epoch {epochs} of {epochs}); "
+    return said + (NOTHING_TO_TRAIN if checkpoint is not None else f"nothing to train, and it {_no_end(run_dir)}")
+
+
+def _no_end(run_dir: Path) -> str:
+    """What a finished run without a checkpoint to go on from (checkpoint.at_end = false) can still do."""
     return (
-        f"run.dir {run_dir} is already complete (step {step} of {step}, epoch {epochs} of {epochs}); {NOTHING_TO_TRAIN}"
+        f"kept no checkpoint to train on from (checkpoint.at_end = false): to train on, start a new run.dir "
+        f"from its weights (model.init_from={run_dir} run.dir=<a new folder>)"
+    )
+
+
+def nothing_to_resume(store: CheckpointStore) -> str:
+    """Why --resume has no checkpoint of run.dir's own to continue from, and what would work."""
+    run_dir = store.root.parent
+    ended = rundir.weights_end(run_dir)
+    if ended is not None or (run_dir / "model.safetensors").is_file():
+        at = f" at step {ended['step']}" if ended is not None else ""
+        return (
+            f"--resume: run.dir {run_dir} finished{at} and {_no_end(run_dir)}, or set run.overwrite=true to start again"
+        )
+    if not rundir.holds_outputs(run_dir):
+        return f"--resume: run.dir {run_dir} holds no run yet; start it without --resume"
+    return (
+        f"--resume: {store.root} holds no complete checkpoint to continue from (the run stopped before its "
+        f"first); start afresh with run.overwrite=true instead of --resume"
     )
 
 
@@ -560,6 +593,24 @@ def _space_hint(store: CheckpointStore) -> str:
     if free < needed:
         return f"No space left on device ({free:,} bytes free, a checkpoint takes about {needed:,})"
     return ""
+
+
+def evaluated_at(path: Path, step: int) -> bool:
+    """Whether the metrics file at `path` holds an evaluation's record of `step`."""
+    return any(record.get("step") == step and "eval_loss" in record for record in _records(path))
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a metrics file (a line cut short by an interruption left out)."""
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def truncate_metrics(path: Path, step: int, drop_eval_at_step: bool) -> bool:

@@ -3,12 +3,13 @@ they cannot be written, kept in a checkpoint or rescued to another disk, and the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -17,18 +18,21 @@ from dtrain import distributed
 from dtrain.checkpoint.store import CheckpointError
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write
-from dtrain.rundir import WEIGHTS_MARK
+from dtrain.rundir import END_OF_RUN, WEIGHTS_MARK
 
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer
 
 
-def save_final_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+def save_final_weights(state: dict[str, torch.Tensor], path: Path, end: dict[str, Any] | None = None) -> None:
     """The trained weights (a full state dict on the CPU) as safetensors, loadable without pickle,
     written atomically. Tensors stored once under several names (tied embeddings) are written once,
     under the first name in sorted order, the others noted in the metadata: what safetensors'
-    `save_model` does, so `load_model` reads the file back into the model."""
+    `save_model` does, so `load_model` reads the file back into the model. `end`: what the run that
+    ends here planned and reached (rundir.weights_end reads it back)."""
     metadata = dict(WEIGHTS_MARK)
+    if end is not None:
+        metadata[END_OF_RUN] = json.dumps(end)
     unique: dict[str, torch.Tensor] = {}
     kept: dict[tuple[int, int], str] = {}
     for name in sorted(state):
@@ -75,7 +79,9 @@ def write_final_weights(
     model, which only it holds). If the weights cannot be written (a full disk, a directory in the way),
     the trained state is kept in a checkpoint (`save_checkpoint()` writes one unless the last step has
     one) and the run says where, exit 2 — never a finished run with nothing to show."""
-    error = distributed.rank0_decides(lambda: _write_error(state, path), is_main=is_main)
+    parts = checkpointer.parts
+    end = {"step": step, "plan": parts.plan, "identity": parts.identity, "data_ranks": parts.data_world}
+    error = distributed.rank0_decides(lambda: _write_error(state, path, end), is_main=is_main)
     if error is None:
         if checkpointer.config.export == "hf":  # from the file just written: the state is not gathered twice
             distributed.rank0_decides(lambda: export_at_the_end(path.parent), is_main=is_main)
@@ -115,11 +121,11 @@ def export_at_the_end(run_dir: Path) -> None:
         ) from None
 
 
-def _write_error(state: dict[str, torch.Tensor] | None, path: Path) -> str | None:
+def _write_error(state: dict[str, torch.Tensor] | None, path: Path, end: dict[str, Any]) -> str | None:
     """Why `state` could not be written to `path`, or None once it is."""
     assert state is not None, "rank 0 holds the full state dict"
     try:
-        save_final_weights(state, path)
+        save_final_weights(state, path, end)
     except Exception as exc:
         error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
         if "No space left on device" in error:  # safetensors wraps it: "I/O error: ... (os error 28)"

@@ -751,10 +751,16 @@ class ProfileConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = setting(
         0,
-        "Write a checkpoint every this many optimizer steps and at the end "
-        "(0: only on SIGTERM or training.stop_at_step, and at the end of a run "
-        "that resumed from one, so that a rerun finds it complete).",
+        "Write a checkpoint every this many optimizer steps (0: only at the end, see at_end, on SIGTERM or "
+        "Ctrl-C, and at training.stop_at_step).",
         min=0,
+    )
+    at_end: bool = setting(
+        True,
+        "Write a checkpoint at the end of the run, so that the same command again says it is complete and more "
+        "training.epochs or max_steps train on from there. false: no end-of-run checkpoint unless every_steps, "
+        "every_epochs or a resume asked for checkpoints; the rerun still says complete, and training on is "
+        "refused (start from its weights with model.init_from).",
     )
     keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).", min=1)
     every_epochs: int = setting(

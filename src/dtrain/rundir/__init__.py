@@ -92,6 +92,12 @@ def _metrics_file(path: Path) -> str | None:
 def _weights_file(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
         return "is not a file"
+    return None if _weights_metadata(path).get("written_by") == "dtrain" else "is weights dtrain did not write"
+
+
+def _weights_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file, read from its JSON header alone (no tensor, no torch); {} for
+    anything else."""
     try:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
@@ -99,7 +105,28 @@ def _weights_file(path: Path) -> str | None:
     except (OSError, ValueError):
         header = {}
     meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return None if isinstance(meta, dict) and meta.get("written_by") == "dtrain" else "is weights dtrain did not write"
+    return meta if isinstance(meta, dict) else {}
+
+
+# The metadata key of model.safetensors that records the end of the run that wrote it (see weights_end).
+END_OF_RUN = "dtrain.end"
+
+
+def weights_end(run_dir: Path) -> dict | None:
+    """What run.dir's final weights say of the run that wrote them — its last `step`, `plan`, `identity` and
+    `data_ranks`, as a checkpoint's marker says them — or None (no weights, or written before they said it).
+    The only record of a finished run that kept no checkpoint (checkpoint.at_end = false)."""
+    weights = run_dir / "model.safetensors"
+    if weights.is_symlink() or not weights.is_file():
+        return None
+    meta = _weights_metadata(weights)
+    if meta.get("written_by") != "dtrain":
+        return None
+    try:
+        end = json.loads(meta.get(END_OF_RUN, ""))
+    except ValueError:
+        return None
+    return end if isinstance(end, dict) and isinstance(end.get("step"), int) else None
 
 
 def _config_file(path: Path) -> str | None:
@@ -212,12 +239,24 @@ def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bo
     kept = KEPT if overwrite else KEPT + EVIDENCE
     earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in kept and _holds_something(p)]
     if earlier and not (overwrite or again) and did_lasting_work(run_dir):
+        ended = weights_end(run_dir)
+        if ended is not None:  # finished, with checkpoint.at_end = false
+            raise DtrainError(
+                f"run.dir {run_dir} holds a run that finished at step {ended['step']} and kept no checkpoint to "
+                f"train on from (checkpoint.at_end = false); start a new run.dir from its weights "
+                f"(model.init_from={run_dir} run.dir=<a new folder>), or set run.overwrite=true to replace it"
+            )
         raise DtrainError(
             f"run.dir {run_dir} holds an earlier run's outputs ({', '.join(p.name for p in earlier)}) "
             f"and no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true "
             f"to replace them"
         )
     return earlier
+
+
+def holds_outputs(run_dir: Path) -> bool:
+    """Whether run.dir holds anything a run writes there (a run has started in it)."""
+    return run_dir.is_dir() and any(p.name in OUTPUTS and _holds_something(p) for p in run_dir.iterdir())
 
 
 def did_lasting_work(run_dir: Path) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dtrain import distributed, rundir
-from dtrain.checkpoint import Checkpoint, Checkpointer, Position, resume_geometry, truncate_metrics
+from dtrain.checkpoint import Checkpoint, Checkpointer, Position, evaluated_at, resume_geometry, truncate_metrics
 from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
 from dtrain.config import Config, with_global_batch
 from dtrain.data import Batches
@@ -44,6 +44,9 @@ class ResumePlan:
         self.resumed_from: Checkpoint | None = None
         self.replanned: str | None = None  # what of the config changed since the checkpoint
         self.rescheduled = False
+        # The evaluation due at the checkpoint's step is in metrics.jsonl already (the checkpoint came first,
+        # then the evaluation was logged: a finished run's end, or one stopped just after): not run again.
+        self.evaluated_at_resume = False
         # Whether `config` built the model and data (worker.run: `dtrain run`); else they were given in code
         # and config.toml says so, since its [model] and [data] do not describe them.
         self.described_by_config = False
@@ -144,16 +147,20 @@ class ResumePlan:
         `said` (how the run starts), which attempt this is, and what changed since the checkpoint."""
         run_dir, is_main = self.run_dir, session.is_main
         continuing = self.resumed_from is not None and step < total_steps
-        logged_past = False  # the interrupted run logged after the checkpoint: new tracker runs
+        logged_past = evaluated = False  # the interrupted run logged after the checkpoint: new tracker runs
         if is_main:
             header = rundir.config_header(given_in_code=not self.described_by_config)
             atomic_write_text(run_dir / "config.toml", header + config.to_toml())
             if continuing:
-                # An epoch that ended exactly at the checkpoint is evaluated again on resume, as is a step
-                # training.eval_every_steps evaluates (see Evaluator.should_evaluate).
+                # An epoch that ended exactly at the checkpoint is evaluated on resume, as is a step
+                # training.eval_every_steps evaluates (see Evaluator.should_evaluate) — unless that
+                # evaluation was logged already: it evaluated the very weights of the checkpoint.
                 every = config.training.eval_every_steps
-                again = step == (epoch + 1) * steps_per_epoch or (every > 0 and step > 0 and step % every == 0)
-                logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=again)
+                due = step == (epoch + 1) * steps_per_epoch or (every > 0 and step > 0 and step % every == 0)
+                evaluated = due and evaluated_at(run_dir / "metrics.jsonl", step)
+                logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=due and not evaluated)
+        if continuing:
+            self.evaluated_at_resume = bool(distributed.from_rank0(evaluated))
         trackers = config.monitor.trackers
         monitor = Monitor(
             run_dir,

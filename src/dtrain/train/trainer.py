@@ -233,7 +233,8 @@ class Trainer:
         self.metrics.restart()
         self.model.train()
         batches, first_step = resume.batch_stream(self.train_batches, self.step), self.step
-        last: dict[str, Any] = self._end_epoch_if_done({}) if self.step < total else {}  # resumed at an epoch's end
+        # Resumed at an epoch's end: counted, and evaluated unless metrics.jsonl holds that evaluation already.
+        last: dict[str, Any] = self._end_epoch_if_done({}, self.plan.evaluated_at_resume) if self.step < total else {}
         while self.step < total and not stopping.step_reached(self.step, total):
             profiler.before_step(self.step + 1)
             began = time.perf_counter()
@@ -278,12 +279,14 @@ class Trainer:
         self._left_together = True
         return last
 
-    def _end_epoch_if_done(self, last: dict[str, Any]) -> dict[str, Any]:
-        """At the end of an epoch, count it; evaluate when `training.eval_every` asks, and after the last step."""
+    def _end_epoch_if_done(self, last: dict[str, Any], evaluated: bool = False) -> dict[str, Any]:
+        """At the end of an epoch, count it; evaluate when `training.eval_every` asks, and after the last step
+        (unless `evaluated` already)."""
         assert self.train_batches and self.metrics and self.monitor and self.checkpointer
         epoch_done = self.step == (self.epoch + 1) * self.train_batches.steps_per_epoch
         self.epoch += int(epoch_done)
-        if not (self.evaluator and self.evaluator.should_evaluate(self.step, self.total_steps, self.epoch, epoch_done)):
+        due = self.evaluator and self.evaluator.should_evaluate(self.step, self.total_steps, self.epoch, epoch_done)
+        if evaluated or not due:
             return last
         with self.metrics.paused():  # evaluation is not training time; train_loss: the mean since the last one
             said = {"step": self.step, "epoch": self._epoch_said(), "time": time.time(), **self.metrics.since_eval()}
