@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from dtrain import __version__, console, early_stop
 from dtrain.config import check_model_fits_data, idle_settings, read_config
-from dtrain.errors import EXIT_REQUEUE, EXIT_USAGE, DtrainError
+from dtrain.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, DtrainError
 from dtrain.rundir import refuse_given_in_code
 
 # torch is imported only after the command line and config have been checked, so that a typo is
@@ -527,8 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DtrainError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # before any worker started (a run's workers stop with a checkpoint)
+        print("dtrain: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""SIGTERM before training begins: exit 75 with dtrain's own line, not 143 in the middle of an import.
+"""SIGTERM (or Ctrl-C) before training begins: exit 75 (130) with dtrain's own line, not 143 or a
+KeyboardInterrupt traceback in the middle of an import.
 
 A scheduler may stop a job at any moment, also in its first second, while torch is still importing.
 The command line installs this handler first thing, before any heavy import: nothing has been written
 yet, so there is nothing to save and the process may end at once (os._exit: no teardown of a
 half-imported torch; a run.dir lock taken by the launcher's checks is a flock the kernel drops). The
-Trainer's StopRequest replaces it before anything is written to run.dir. No torch here.
+Trainer's StopRequest replaces it before anything is written to run.dir. A worker takes Ctrl-C here too
+(torchrun passes the launcher's SIGINT on to it); the launcher itself, and a single process at a
+terminal, keep Python's KeyboardInterrupt until the Trainer takes over. No torch here.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from dtrain.errors import EXIT_REQUEUE
+from dtrain.errors import EXIT_INTERRUPTED, EXIT_REQUEUE
 
 # Said by the Trainer too, for a SIGTERM during its set-up (train.stopping).
 BEFORE_TRAINING = "stopped by SIGTERM before training began"
 NOTHING_TO_SAVE = f"{BEFORE_TRAINING}; nothing to save — rerun the same command to start"
+INTERRUPTED_BEFORE_TRAINING = "interrupted (Ctrl-C) before training began"
+NOTHING_TO_SAVE_INTERRUPTED = f"{INTERRUPTED_BEFORE_TRAINING}; nothing to save — rerun the same command to start"
 
 
 def launcher_stopping_mark(launcher_pid: int | str) -> Path:
@@ -31,6 +36,10 @@ def launcher_stopping_mark(launcher_pid: int | str) -> Path:
 
 
 def _stop(signum: int, frame: object) -> None:
+    if signum == signal.SIGINT:  # the launcher answers its own Ctrl-C with 130 and no line: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            _say(NOTHING_TO_SAVE_INTERRUPTED)
+        os._exit(EXIT_INTERRUPTED)
     launcher = os.environ.get("DTRAIN_LAUNCHED")  # distributed.LAUNCHED_BY_DTRAIN: the launcher's pid
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
@@ -40,15 +49,25 @@ def _stop(signum: int, frame: object) -> None:
             with open(error_file, "w") as fh:
                 json.dump({"message": NOTHING_TO_SAVE, "timestamp": int(time.time())}, fh)
         elif os.environ.get("RANK", "0") == "0":  # said once: by the launcher, or by rank 0
-            print(f"dtrain: {NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
+            _say(NOTHING_TO_SAVE)
     except Exception:  # a console or file gone is no reason to stay
         pass
     os._exit(EXIT_REQUEUE)
 
 
+def _say(line: str) -> None:
+    try:
+        print(f"dtrain: {line}", file=sys.stderr, flush=True)
+    except Exception:  # a console gone is no reason to stay
+        pass
+
+
 def install() -> None:
-    """From now until the Trainer takes over, SIGTERM ends this process with 75 and one line."""
+    """From now until the Trainer takes over, SIGTERM ends this process with 75 and one line; in a
+    worker of a job (RANK set: torchrun's, a pod's), Ctrl-C with 130 and one line."""
     signal.signal(signal.SIGTERM, _stop)
+    if "RANK" in os.environ:
+        signal.signal(signal.SIGINT, _stop)
 
 
 def installed(handler: object) -> bool:

@@ -50,6 +50,17 @@ class Preempted(Exception):
     exit_code = EXIT_REQUEUE
 
 
+# Exit status of a run stopped by Ctrl-C (SIGINT): 128 + 2, the shell's convention for an interrupt.
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(Preempted):
+    """The run stopped on Ctrl-C (SIGINT) after writing a checkpoint; rerunning the same command resumes.
+    Not a requeue: a person stopped it."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 # Exit status of a run that stopped because another run took its run.dir over (the lease on an object store
 # lost: see rundir/lease.py): EX_CANTCREAT from sysexits.h, "cannot create output". Not 75: requeued, the
 # run would only be refused (or fight the new holder); not 2: no input of the user's was wrong.

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint import CheckpointStore
+from dtrain.launch.signals import children
 from helpers import ROOT, SMALL_JOB, TIMEOUT, WORKERS, dtrain, env, ok, weights
 
 SLOW_JOB = [*SMALL_JOB, "training.epochs=50", "training.log_every=1", "model.name=faults:dying_mlp"]
@@ -272,17 +273,10 @@ def worker_of_rank(procs: list[subprocess.Popen], rank: int) -> int:
     """The pid of the job's worker of `rank`: a pod itself, or the launcher's child with RANK=rank."""
     if len(procs) == 2:
         return procs[rank].pid
-    launcher = str(procs[0].pid)
-    for entry in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:  # "PID (COMM) STATE PPID ..."
-                if stat.read().rpartition(")")[2].split()[1] != launcher:
-                    continue
-            with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                if f"RANK={rank}".encode() in environ.read().split(b"\0"):
-                    return int(entry.name)
-        except (OSError, IndexError):
-            continue  # not a process, or gone meanwhile
+    launcher = procs[0].pid
+    for pid, environ in children(launcher):
+        if f"RANK={rank}".encode() in environ:
+            return pid
     raise AssertionError(f"no worker of rank {rank} under the launcher {launcher}")
 
 

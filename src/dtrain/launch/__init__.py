@@ -129,7 +129,7 @@ def torchrun_args(
     return args + entry
 
 
-from dtrain.launch.signals import signals_reach_a_joining_node, sigterm_once  # noqa: E402
+from dtrain.launch.signals import signals_once, signals_reach_a_joining_node  # noqa: E402
 from dtrain.launch.waits import own_address, peers_report  # noqa: E402
 
 __all__ = ["LaunchSpec", "launch", "torchrun_args"]
@@ -165,7 +165,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
         if wait:
             wait.over()
     _quiet_elastic_logs()
-    sigterm_once()
+    signals_once()
     signals_reach_a_joining_node()
     args = get_args_parser().parse_args(torchrun_args(spec, entry, local_addr, is_host))
     try:
@@ -175,7 +175,7 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
     except ChildFailedError as exc:
         return _print_first_failure(exc)
     except SignalException as exc:
-        # The workers got the signal too; on SIGTERM they wrote a checkpoint and said so.
+        # The workers got the signal too; they wrote a checkpoint and rank 0 said so (SIGTERM: 75, Ctrl-C: 130).
         return EXIT_REQUEUE if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     except (RendezvousTimeoutError, DistStoreError):  # DistStoreError: the static store's own wait
         print(
@@ -246,5 +246,11 @@ def _quiet_elastic_logs() -> None:
     # The elastic agent narrates every restart and shutdown at WARNING; dtrain reports failures
     # itself. DTRAIN_VERBOSE=1 brings the agent's own account back.
     if not os.environ.get("DTRAIN_VERBOSE"):
-        for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        import torch.distributed.run  # noqa: F401 — its modules' loggers exist from here on
+
+        prefixes = ("torch.distributed.elastic", "torch.distributed.run")
+        # Each of torch's elastic modules sets its own logger's level (elastic.utils.logging), so the
+        # parent's level alone does not quiet them ("Received 2 death signal, shutting down workers").
+        names = [name for name in logging.root.manager.loggerDict if name.startswith(prefixes)]
+        for name in {*prefixes, *names}:
             logging.getLogger(name).setLevel(logging.CRITICAL)

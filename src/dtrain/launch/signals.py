@@ -1,5 +1,5 @@
-"""The launcher's signals: the elastic agent acts on the first SIGTERM only, and Ctrl-C or SIGTERM end a
-node still joining the rendezvous inside a C++ wait."""
+"""The launcher's signals: the elastic agent acts on the first SIGTERM or Ctrl-C only (a second Ctrl-C
+reaches the workers), and Ctrl-C or SIGTERM end a node still joining the rendezvous inside a C++ wait."""
 
 from __future__ import annotations
 
@@ -9,22 +9,25 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from dtrain import early_stop
-from dtrain.errors import EXIT_REQUEUE
+from dtrain.errors import EXIT_INTERRUPTED, EXIT_REQUEUE
 
 if TYPE_CHECKING:
     from types import FrameType
 
 
-def sigterm_once() -> None:
-    """Have the elastic agent act on the first SIGTERM only. Its handler raises SignalException on
-    every one; the first starts the shutdown (SIGTERM to the workers, `checkpoint.preempt_grace_s` for
-    their checkpoint, then SIGKILL), and a repeat during that wait — a scheduler saying it again, an
-    impatient user — would abort it: the launcher would exit and its workers die with it
-    (`die_with_the_launcher`), mid-checkpoint. torch installs the handler by this module-level name
-    when it starts the workers."""
+def signals_once() -> None:
+    """Have the elastic agent act on the first SIGTERM or Ctrl-C only. Its handler raises SignalException
+    on every one; the first starts the shutdown (the signal passed on to the workers,
+    `checkpoint.preempt_grace_s` for their checkpoint, then SIGKILL), and a repeat during that wait — a
+    scheduler saying it again, an impatient user — would abort it: the launcher would exit and its
+    workers die with it (`die_with_the_launcher`), mid-checkpoint, without a word. A repeated SIGTERM is
+    dropped; a second Ctrl-C is passed on to the workers, which then stop at once and say what a rerun
+    will do (train.stopping). torch installs the handler by this module-level name when it starts the
+    workers."""
     from torch.distributed.elastic.multiprocessing import api
 
     raise_signal = api._terminate_process_handler
@@ -34,15 +37,39 @@ def sigterm_once() -> None:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
+        if stopping:  # the workers were told; the grace runs from the first
+            if signum == signal.SIGINT:
+                _interrupt_workers()
+            return
+        stopping = True
         if signum == signal.SIGTERM:
-            if stopping:
-                return  # the workers were told; the grace runs from the first
-            stopping = True
             _mark_stopping()
         raise_signal(signum, frame)
 
     on_signal.dtrain_once = True  # type: ignore[attr-defined]
     api._terminate_process_handler = on_signal
+
+
+def _interrupt_workers() -> None:
+    """Ctrl-C to this launcher's workers (its children that torchrun gave a LOCAL_RANK): they run in
+    sessions of their own, out of reach of the terminal's."""
+    for pid, environ in children(os.getpid()):
+        if any(var.startswith(b"LOCAL_RANK=") for var in environ):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGINT)
+
+
+def children(parent: int) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, environment as NAME=value entries) of each living child process of `parent` (Linux's /proc)."""
+    for entry in os.scandir("/proc"):
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:  # "PID (COMM) STATE PPID ..."
+                if stat.read().rpartition(")")[2].split()[1] != str(parent):
+                    continue
+            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                yield int(entry.name), environ.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # not a process, or gone meanwhile
 
 
 def _mark_stopping() -> None:
@@ -81,10 +108,9 @@ def signals_reach_a_joining_node(patience_s: float = 1.0) -> None:
             time.sleep(patience_s)
             if signal.getsignal(signum) is api._terminate_process_handler:
                 continue  # workers exist: the agent stops them
-            if signum == signal.SIGTERM:
-                with contextlib.suppress(Exception):
-                    print(f"dtrain: {early_stop.NOTHING_TO_SAVE}", file=sys.stderr, flush=True)
-                os._exit(EXIT_REQUEUE)
-            os._exit(128 + signal.SIGINT)
+            line = early_stop.NOTHING_TO_SAVE if signum == signal.SIGTERM else early_stop.NOTHING_TO_SAVE_INTERRUPTED
+            with contextlib.suppress(Exception):
+                print(f"dtrain: {line}", file=sys.stderr, flush=True)
+            os._exit(EXIT_REQUEUE if signum == signal.SIGTERM else EXIT_INTERRUPTED)
 
     threading.Thread(target=watch, name="dtrain-signals-while-joining", daemon=True).start()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dtrain.errors import ConfigError, DtrainError, Preempted
+from dtrain.errors import EXIT_INTERRUPTED, ConfigError, DtrainError, Preempted
 
 KNOWN = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}  # name → what to install
 
@@ -64,7 +64,7 @@ def ending(error: BaseException | None) -> tuple[str, int]:
     if error is None:
         return "FINISHED", 0
     if isinstance(error, (Preempted, KeyboardInterrupt)):
-        return "KILLED", Preempted.exit_code if isinstance(error, Preempted) else 130
+        return "KILLED", error.exit_code if isinstance(error, Preempted) else EXIT_INTERRUPTED
     return "FAILED", error.exit_code if isinstance(error, DtrainError) else 1
 
 

@@ -1,33 +1,64 @@
-"""SIGTERM (a scheduler preempting the job) asks the run to stop at the next point the ranks agree on.
+"""SIGTERM (a scheduler preempting the job) or Ctrl-C (a person) asks the run to stop at the next point the
+ranks agree on.
 
 The handler only sets a flag: the step in flight finishes, the ranks agree at the next logging
 all-reduce (every `training.log_every` steps, sooner where steps are slow: StopAgreement.pace, agreed
 again at every log step; every step in a one-process run), write one checkpoint and exit with
-EXIT_REQUEUE. `training.stop_at_step` stops a run at a planned step instead (StopAgreement.step_reached).
+EXIT_REQUEUE (75; after Ctrl-C, 130: Interrupted). A second Ctrl-C ends the process at once, saying what
+a rerun will do (StopRequest.abandon_line). `training.stop_at_step` stops a run at a planned step instead
+(StopAgreement.step_reached).
 
 The same flag stops a run whose run.dir another run took over (rank 0's lease on an object store lost,
 see rundir/lease.py): agreed at the same points, but then every rank raises RunDirLost (exit 73) at once,
-with no checkpoint: nothing more may be written there.
-"""
+with no checkpoint: nothing more may be written there."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 from dtrain import distributed, early_stop
+from dtrain.checkpoint import CheckpointStore
 from dtrain.config import CheckpointConfig, TrainingConfig
-from dtrain.errors import Preempted, RunDirLost
+from dtrain.errors import EXIT_INTERRUPTED, Interrupted, Preempted, RunDirLost
+
+ABANDONED_BEFORE_TRAINING = "interrupted again before training began; nothing to save — rerun the same command to start"
+
+
+def abandoned(step: int, store: CheckpointStore) -> str:
+    """A second Ctrl-C's line: where the run stopped, and what the same command will do then."""
+    newest = store.newest()
+    if newest is not None and newest.step == step:
+        return f"interrupted again at step {step}: stopped at once; the same command resumes from {newest.name}"
+    then = f"resumes from {newest.name}" if newest else "starts the run again from its first step"
+    return f"interrupted again at step {step}: stopped at once, without a checkpoint of it; the same command {then}"
 
 
 class StopRequest:
-    """SIGTERM sets `requested`, from `install()` (before anything is written to run.dir) to `uninstall()`."""
+    """SIGTERM or Ctrl-C (SIGINT) sets `requested`, from `install()` (before anything is written to run.dir) to
+    `uninstall()`. A second Ctrl-C stops at once: `abandon` says what a rerun will then do, and the process
+    ends with 130."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
+        self.terminated = False  # by SIGTERM: a scheduler's preemption, exit 75
+        self.interrupts = 0  # Ctrl-Cs: the first stops as SIGTERM does (exit 130), the second at once
         self.run_dir_lost = ""  # the line saying why run.dir is no longer this run's (see lose_run_dir)
-        self._previous = None
+        # A second Ctrl-C's line (what a rerun will do), said by rank 0 only; set once run.dir is known.
+        self.abandon_line: Callable[[], str | None] = lambda: ABANDONED_BEFORE_TRAINING
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by Ctrl-C and not by a scheduler (whose SIGTERM asks for a requeue, 75)."""
+        return self.interrupts > 0 and not self.terminated
 
     def lose_run_dir(self, line: str) -> None:
         """From the lease's thread: run.dir is another run's now; stop as on SIGTERM, but write nothing."""
@@ -36,15 +67,16 @@ class StopRequest:
 
     def install(self) -> None:
         # Signals reach the main thread only; installed twice (set-up, then fit) it stays one handler.
-        if threading.current_thread() is threading.main_thread() and self._previous is None:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
     def uninstall(self) -> None:
-        if self._previous is not None:
+        for signum, previous in self._previous.items():
             # The command line's early handler says "before training began": past training, the default.
-            previous = signal.SIG_DFL if early_stop.installed(self._previous) else self._previous
-            signal.signal(signal.SIGTERM, previous)
-            self._previous = None
+            if early_stop.installed(previous):
+                previous = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def __enter__(self) -> StopRequest:
         self.install()
@@ -54,7 +86,24 @@ class StopRequest:
         self.uninstall()
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                self._abandon()
+        else:
+            self.terminated = True
         self.requested = True
+
+    def _abandon(self) -> NoReturn:
+        """The second Ctrl-C: end now, mid-step or mid-write (a checkpoint being written stays partial and
+        is never chosen; the sealed ones are untouched), rank 0 saying what the same command will do."""
+        try:
+            line = self.abandon_line()
+            if line:
+                print(f"dtrain: {line}", file=sys.stderr, flush=True)
+        except Exception:  # a console gone (or run.dir unreadable) is no reason to stay
+            pass
+        os._exit(EXIT_INTERRUPTED)
 
 
 class StopAgreement:
@@ -67,9 +116,11 @@ class StopAgreement:
         checkpoint: CheckpointConfig,
         world_size: int,
         request: StopRequest | None = None,
+        is_main: bool = True,
     ):
         self.training, self.checkpoint, self.world_size = training, checkpoint, world_size
         self.request = request or StopRequest()
+        self.is_main = is_main  # says the stop's line where a script lets the stop through (said_if_uncaught)
         self.check_every = training.log_every  # steps between agreements off log steps: see pace
         self.left_together = False  # every rank raised RunDirLost at the same step
 
@@ -132,18 +183,20 @@ class StopAgreement:
         self.check_every = max(1, min(self.training.log_every, affordable))
 
     def preempted(self, step: int, checkpoints: Path) -> Preempted:
-        return Preempted(
-            f"stopped by SIGTERM at step {step}; checkpoint written to {checkpoints}/step-{step}; rerun the "
-            f"same command to resume"
-        )
+        interrupted = self.request.interrupted
+        kind, how = (Interrupted, "interrupted (Ctrl-C)") if interrupted else (Preempted, "stopped by SIGTERM")
+        where = f"checkpoint written to {checkpoints}/step-{step}"
+        return said_if_uncaught(kind(f"{how} at step {step}; {where}; rerun the same command to resume"), self.is_main)
 
     def preempted_before_training(self, step: int) -> Preempted:
+        interrupted = self.request.interrupted
+        kind = Interrupted if interrupted else Preempted
         if step == 0:
-            return Preempted(early_stop.NOTHING_TO_SAVE)
-        return Preempted(
-            f"{early_stop.BEFORE_TRAINING}; checkpoint step-{step} is still the newest — rerun the same command "
-            f"to resume"
-        )
+            line = early_stop.NOTHING_TO_SAVE_INTERRUPTED if interrupted else early_stop.NOTHING_TO_SAVE
+        else:
+            before = early_stop.INTERRUPTED_BEFORE_TRAINING if interrupted else early_stop.BEFORE_TRAINING
+            line = f"{before}; checkpoint step-{step} is still the newest — rerun the same command to resume"
+        return said_if_uncaught(kind(line), self.is_main)
 
     def stopped_early(self, step: int, first_step: int) -> str:
         """The console line for a run that stopped at `training.stop_at_step`."""
@@ -153,3 +206,22 @@ class StopAgreement:
             f"training.stop_at_step={self.training.stop_at_step} and the run is at step {step} already: "
             f"nothing trained; rerun without it (or with a later step) to continue"
         )
+
+
+def said_if_uncaught(stop: Preempted, is_main: bool) -> Preempted:
+    """`stop`, which ends the run's process as `dtrain run` ends it if the script lets it through uncaught
+    (plain torchrun or python, where no dtrain worker wrapper catches it): rank 0's one line, the stop's
+    exit status (75, or 130 after Ctrl-C), no traceback on any rank. Any other exception, or this one
+    caught by the script, is left to the script and Python as before."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, trace: Any) -> None:
+        if value is not stop:
+            previous(kind, value, trace)
+            return
+        if is_main:
+            print(f"dtrain: {value}", file=sys.stderr, flush=True)
+        distributed.end_worker_process(stop.exit_code)
+
+    sys.excepthook = hook
+    return stop

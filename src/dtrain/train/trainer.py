@@ -40,7 +40,7 @@ from dtrain.train.compiling import compiling_step
 from dtrain.train.evaluation import EvalMetrics, Evaluator
 from dtrain.train.loss import LossFn, LossOf, StepFn, StepShares
 from dtrain.train.schedules import Schedule
-from dtrain.train.stopping import StopAgreement, StopRequest
+from dtrain.train.stopping import StopAgreement, StopRequest, abandoned
 
 
 class Trainer:
@@ -104,7 +104,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.monitor: Monitor | None = None
         self._lr, self._left_together = 0.0, False  # the last step's lr (logged); every rank left fit() in step
-        self.stop_request = StopRequest()  # SIGTERM's flag, from set-up on: see stopping.py
+        self.stop_request = StopRequest()  # SIGTERM's and Ctrl-C's flag, from set-up on: see stopping.py
 
     @property
     def parallel(self) -> parallel.Strategy | None:
@@ -179,6 +179,8 @@ class Trainer:
         plan, extra = resume.plan(cfg, total, per_epoch), {**self.checkpoint_parts, **self.train_batches.parts()}
         parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan, data_ranks=dp)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
+        store, at = self.checkpointer.store, lambda: self.step
+        self.stop_request.abandon_line = lambda: abandoned(at(), store) if session.is_main else None  # 2nd Ctrl-C
         resume_from = self.checkpointer.find_resume_point()
         claim.fresh = resume_from is None  # what run.dir holds from here on is this run's own
         if resume_from is not None:
@@ -198,7 +200,7 @@ class Trainer:
         assert self.session and self.claim and self.monitor and self.timer
         cfg, session, claim, monitor = self.config, self.session, self.claim, self.monitor
         rank, world, cuda = session.rank, session.world_size, session.device.type == "cuda"
-        stopping = StopAgreement(cfg.training, cfg.checkpoint, world, self.stop_request)
+        stopping = StopAgreement(cfg.training, cfg.checkpoint, world, self.stop_request, session.is_main)
         profiler = StepProfiler(profile_range(cfg.profile.steps), self.run_dir, rank, cuda)
         self.timer.progress.step = self.step
         watch = HangWatch(self.timer.progress, cfg.distributed.hang_timeout_s, rank, world, self.run_dir)
@@ -207,7 +209,7 @@ class Trainer:
             held.callback(lambda: distributed.stop(session, self._left_together or stopping.left_together))
             held.push(claim.end)  # released; a lease lost on a store after the last step is said
             held.callback(lambda: None if self._left_together else claim.forget(self.step, monitor.close))
-            held.enter_context(stopping.request)  # SIGTERM asks the run to stop: see stopping.py
+            held.enter_context(stopping.request)  # SIGTERM or Ctrl-C asks the run to stop: see stopping.py
             # A failed run's trackers say so, ended while a SIGTERM (a failed job's other ranks being
             # stopped) still only sets the flag: it must not cut their last writes short.
             held.push(lambda _kind, error, _trace: monitor.close(error))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -19,7 +18,7 @@ from dtrain import data, distributed, models, parallel
 from dtrain.config import Config
 from dtrain.data import tokens
 from dtrain.distributed.failures import record_failure
-from dtrain.errors import DtrainError, Preempted, Rank0Missing
+from dtrain.errors import EXIT_INTERRUPTED, DtrainError, Preempted, Rank0Missing
 from dtrain.models.empty import parameters_on_meta
 from dtrain.rundir.mirror import local_dir
 from dtrain.train.trainer import Trainer
@@ -113,8 +112,10 @@ def _run_reported(work: Callable[[], Any], rank: int) -> int:
         if rank == 0:
             print(f"dtrain: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except KeyboardInterrupt:  # Ctrl-C reaches every worker: the launcher says it once
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt:  # Ctrl-C outside training (there the Trainer stops with a checkpoint)
+        if rank == 0:
+            print("dtrain: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except DtrainError as exc:
         alone = isinstance(exc, Rank0Missing)  # no rank 0 is there to say it
         record_failure(str(exc), rank, traceback_text=None, alone=alone)
