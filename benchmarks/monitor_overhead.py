@@ -46,6 +46,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
             "data": {"batch_size": 64},
             "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.0},
             "training": {"epochs": 100, "max_steps": n},
+            "checkpoint": {"at_end": False},  # the steps are measured, not the run's end
         }
         raw.update(VARIANTS[name])
         torch.manual_seed(0)
