@@ -526,7 +526,7 @@ def finished(
 def _no_end(run_dir: Path) -> str:
     """What a finished run without a checkpoint to go on from (checkpoint.at_end = false) can still do."""
     return (
-        f"kept no checkpoint to train on from (checkpoint.at_end = false): to train on, start a new run.dir "
+        f"kept no checkpoint to train on from ({rundir.why_no_checkpoint(run_dir)}): to train on, start a new run.dir "
         f"from its weights (model.init_from={run_dir} run.dir=<a new folder>)"
     )
 

@@ -240,10 +240,10 @@ def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bo
     earlier = [p for p in sorted(run_dir.iterdir()) if p.name in OUTPUTS and p.name not in kept and _holds_something(p)]
     if earlier and not (overwrite or again) and did_lasting_work(run_dir):
         ended = weights_end(run_dir)
-        if ended is not None:  # finished, with checkpoint.at_end = false
+        if ended is not None:  # finished, with checkpoint.at_end = false (or its checkpoints deleted)
             raise DtrainError(
                 f"run.dir {run_dir} holds a run that finished at step {ended['step']} and kept no checkpoint to "
-                f"train on from (checkpoint.at_end = false); start a new run.dir from its weights "
+                f"train on from ({why_no_checkpoint(run_dir)}); start a new run.dir from its weights "
                 f"(model.init_from={run_dir} run.dir=<a new folder>), or set run.overwrite=true to replace it"
             )
         raise DtrainError(
@@ -252,6 +252,18 @@ def earlier_outputs(run_dir: Path, *, resuming: bool, overwrite: bool, again: bo
             f"to replace them"
         )
     return earlier
+
+
+def why_no_checkpoint(run_dir: Path) -> str:
+    """Why a finished run holds no checkpoint: its config.toml said checkpoint.at_end = false, or they were
+    deleted since."""
+    from dtrain.config import tomllib
+
+    try:
+        said = tomllib.loads((run_dir / "config.toml").read_text()).get("checkpoint", {}).get("at_end")
+    except (OSError, ValueError, AttributeError):
+        said = None
+    return "checkpoint.at_end = false" if said is False else "its checkpoints were deleted"
 
 
 def holds_outputs(run_dir: Path) -> bool:
