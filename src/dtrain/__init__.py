@@ -7,6 +7,16 @@ dtrain.Trainer(config, model=net, train_data=train_set, eval_data=test_set).fit(
 
 __version__ = "0.1.0"
 
+import os as _os
+
+if _os.environ.get("DTRAIN_LAUNCHED") and "RANK" in _os.environ:
+    # A worker of dtrain's launcher, starting: SIGTERM or Ctrl-C from here until its Trainer takes over ends it
+    # with dtrain's one line (75, 130), not a KeyboardInterrupt traceback from inside an import. First thing,
+    # before anything heavy is imported (`python -m dtrain...` imports this package before its module).
+    from dtrain import early_stop as _early_stop
+
+    _early_stop.install(interrupt=True)
+
 from dtrain.config import Config, load_config
 from dtrain.errors import ConfigError, DataError, DtrainError
 

@@ -509,9 +509,10 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    early_stop.install()  # before torch is imported: SIGTERM in the first second still exits 75
-    console.outlive_the_reader()  # a run stopped with its `| tee` must still write its checkpoint
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before torch is imported: SIGTERM in the first second still exits 75; Ctrl-C before a run's first step, 130.
+    early_stop.install(interrupt=argv[:1] == ["run"])
+    console.outlive_the_reader()  # a run stopped with its `| tee` must still write its checkpoint
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else EXIT_USAGE
@@ -528,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:  # before any worker started (a run's workers stop with a checkpoint)
-        print("dtrain: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        line = early_stop.NOTHING_TO_SAVE_INTERRUPTED if argv[0] == "launch" else "interrupted (Ctrl-C)"
+        print(f"dtrain: {line}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
 

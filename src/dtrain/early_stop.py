@@ -62,12 +62,39 @@ def _say(line: str) -> None:
         pass
 
 
-def install() -> None:
-    """From now until the Trainer takes over, SIGTERM ends this process with 75 and one line; in a
-    worker of a job (RANK set: torchrun's, a pod's), Ctrl-C with 130 and one line."""
+def install(interrupt: bool = False) -> None:
+    """From now until the Trainer takes over, SIGTERM ends this process with 75 and one line; with
+    `interrupt` (a run's launcher or worker, a launched script's worker), Ctrl-C with 130 and one line."""
     signal.signal(signal.SIGTERM, _stop)
-    if "RANK" in os.environ:
+    if interrupt:
         signal.signal(signal.SIGINT, _stop)
+
+
+FINISHED = "as the run ended: it had finished, nothing is lost — the same command says it is complete"
+
+
+def _after_finishing(signum: int, frame: object) -> None:
+    """A signal after a run finished, while its process ends: one line from rank 0, the signal's status."""
+    interrupted = signum == signal.SIGINT
+    if os.environ.get("RANK", "0") == "0":
+        _say(f"{'interrupted (Ctrl-C)' if interrupted else 'stopped by SIGTERM'} {FINISHED}")
+    os._exit(EXIT_INTERRUPTED if interrupted else EXIT_REQUEUE)
+
+
+def _after_stopping(signum: int, frame: object) -> None:
+    """A signal after a stop said its line (checkpoint written), while the process ends: end now, quietly."""
+    os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_REQUEUE)
+
+
+def past_training(signum: int, finished: bool, stopped: bool) -> object:
+    """The handler of `signum` once the Trainer let go of it in a dtrain worker, whose process ends next:
+    after a run that `finished` or `stopped` (its line said), a signal ends it at once, never mid-teardown
+    with a traceback; after a failure (being reported), the default."""
+    if finished:
+        return _after_finishing
+    if stopped:
+        return _after_stopping
+    return signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
 
 
 def installed(handler: object) -> bool:

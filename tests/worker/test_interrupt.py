@@ -124,3 +124,67 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_a_rerun_will_do(tmp_path):
     assert "Traceback" not in err, err
     rerun = ok(dtrain("run", *job(tmp_path), "--nproc", "2", "training.max_steps=4"))
     assert f"resumed from {newest.path}" in rerun.stderr
+
+
+FAULTS = str(Path(__file__).resolve().parent.parent / "workers" / "process_faults")
+
+
+@pytest.mark.parametrize("how", ["run", "launch"])
+def test_ctrl_c_while_the_workers_import_torch_says_one_line_and_no_traceback(tmp_path, how):
+    """Ctrl-C to the launcher as rank 0 starts importing torch (sent by the worker itself, see
+    sitecustomize.py): torch's agent passes it on mid-import. One dtrain line, 130 — not a KeyboardInterrupt
+    traceback per rank from inside torch's import (as `dtrain launch`'s script workers gave)."""
+    faults = {
+        "SIGTERM_AT_IMPORT": "torch@rank0",
+        "SIGTERM_AT_IMPORT_TO": "parent",
+        "SIGTERM_AT_IMPORT_SIGNAL": "SIGINT",
+        "PYTHONPATH": os.pathsep.join([FAULTS, env()["PYTHONPATH"]]),
+    }
+    result = subprocess.run(
+        command(how, tmp_path), cwd=ROOT, env=env(**faults), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 130, result.stderr
+    assert dtrain_lines(result.stderr) == [
+        "dtrain: interrupted (Ctrl-C) before training began; nothing to save — rerun the same command to start"
+    ], result.stderr
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr
+
+
+# A dtrain worker (early_stop's handlers installed, as `dtrain run`'s are) whose Trainer let go of the signals:
+# `ENDING` ends the `with StopRequest()` as a finished run (nothing) or a stop (Interrupted), then the
+# process gets Ctrl-C while it would still be tearing down.
+AFTER_THE_RUN = """
+import os, signal, sys, time
+from dtrain import early_stop
+early_stop.install(interrupt=True)
+from dtrain.errors import Interrupted
+from dtrain.train.stopping import StopRequest
+try:
+    with StopRequest():
+        if sys.argv[1] == "stopped":
+            raise Interrupted("interrupted (Ctrl-C) at step 3; ...")
+except Interrupted:
+    pass
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("ending", ["finished", "stopped"])
+def test_ctrl_c_as_a_worker_ends_after_its_run_exits_at_once_without_a_traceback(ending):
+    """After a finished run, Ctrl-C during the worker's teardown says in one line that the run had finished
+    (130); after a stop that said its line, it ends the process quietly. Before, the default handler raised
+    KeyboardInterrupt inside torch's and dtrain's exit handlers: tracebacks, or a doubled line."""
+    result = subprocess.run(
+        [sys.executable, "-c", AFTER_THE_RUN, ending], env=env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 130, result.stderr
+    expected = (
+        [
+            "dtrain: interrupted (Ctrl-C) as the run ended: it had finished, nothing is lost — the same command says "
+            "it is complete"
+        ]
+        if ending == "finished"
+        else []
+    )
+    assert result.stderr.splitlines() == expected, result.stderr

@@ -70,11 +70,13 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread() and not self._previous:
             self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
-    def uninstall(self) -> None:
+    def uninstall(self, error: BaseException | None = None, finished: bool = False) -> None:
+        """The handlers before `install()` back — in a dtrain worker (whose early handler says "before
+        training began") those for the end of its process (early_stop.past_training): after a run that
+        `finished`, or stopped with its checkpoint (`error` a Preempted)."""
         for signum, previous in self._previous.items():
-            # The command line's early handler says "before training began": past training, the default.
             if early_stop.installed(previous):
-                previous = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                previous = early_stop.past_training(signum, finished, isinstance(error, Preempted))
             signal.signal(signum, previous)
         self._previous = {}
 
@@ -82,8 +84,8 @@ class StopRequest:
         self.install()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.uninstall()
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        self.uninstall(error, finished=error is None)
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:

@@ -3,7 +3,7 @@
 SIGTERM_AT_IMPORT=MODULE[@WHERE]: the process sends itself SIGTERM when it first imports MODULE, as a
 scheduler's signal would land while torch is importing (WHERE: `launcher`, `worker` or `rank0`; any
 process if omitted). With SIGTERM_AT_IMPORT_TO=parent the signal goes to the parent instead (a
-worker's: the launcher).
+worker's: the launcher); SIGTERM_AT_IMPORT_SIGNAL=SIGINT sends Ctrl-C's signal instead.
 
 SLOW_FSYNC=TEXT:SECONDS: a slow disk for the files whose path contains TEXT — each fsync of one takes
 SECONDS longer, and its path is appended to SLOW_FSYNC_NOTE (a file) when it starts, so a test knows
@@ -34,7 +34,8 @@ class _SigtermOnImport:
         if name == _module:
             sys.meta_path.remove(self)
             to_parent = os.environ.get("SIGTERM_AT_IMPORT_TO") == "parent"
-            os.kill(os.getppid() if to_parent else os.getpid(), signal.SIGTERM)  # handled inside the import
+            signum = getattr(signal, os.environ.get("SIGTERM_AT_IMPORT_SIGNAL", "SIGTERM"))
+            os.kill(os.getppid() if to_parent else os.getpid(), signum)  # handled inside the import
         return None  # the import itself goes on as usual
 
 
