@@ -56,13 +56,34 @@ def copy_of(quick_start: Path, tmp_path: Path) -> Path:
 
 
 def test_the_quick_start_again_says_it_is_complete_and_starts_no_worker(quick_start):
-    """The same command, and with --resume: one line, exit 0, and nothing in run.dir written (a worker
+    """The same command, with --resume, on one process (it trained its epochs on two), and with a file of
+    the user's dropped beside it (.DS_Store): one line, exit 0, and nothing in run.dir written (a worker
     would have written config.toml and said where it resumed from)."""
     before = files(quick_start / "runs")
-    for again in ([], ["--resume"]):
+    for again in ([], ["--resume"], ["--nproc", "1"]):
         result = ok(run([*QUICK_START, *again], cwd=quick_start))
         assert result.stderr.splitlines() == [COMPLETE], (again, result.stderr)
+    dropped = quick_start / "runs" / "digits_mlp" / ".DS_Store"
+    dropped.write_bytes(b"\0")
+    assert ok(run(QUICK_START, cwd=quick_start)).stderr.splitlines() == [COMPLETE]
+    dropped.unlink()
     assert files(quick_start / "runs") == before
+
+
+def test_a_finished_run_rerun_with_other_settings_is_complete_and_writes_nothing(quick_start, tmp_path):
+    """Other settings that only the training would use (a learning rate, a batch size): the workers start,
+    resume, find nothing to train and say so — and leave run.dir as it was (its config.toml still the one
+    that trained it, no new event file, the weights not rewritten), so the same command stays the quick one."""
+    folder = copy_of(quick_start, tmp_path)
+    before = files(folder / "runs")
+    other = ok(run([*QUICK_START, "optimizer.lr=0.05", "data.batch_size=32"], cwd=folder))
+    assert (
+        "resumed from runs/digits_mlp/checkpoints/step-240 (step 240 of 240, epoch 20 of 20): the run is already "
+        "complete" in other.stderr
+    )
+    after = {path: data for path, data in files(folder / "runs").items() if path.name != ".lock"}
+    assert after == {path: data for path, data in before.items() if path.name != ".lock"}
+    assert ok(run(QUICK_START, cwd=folder)).stderr.splitlines() == [COMPLETE]
 
 
 def test_the_quick_start_with_more_epochs_trains_on_from_its_end_each_step_logged_once(quick_start, tmp_path):

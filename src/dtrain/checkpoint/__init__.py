@@ -511,7 +511,9 @@ def finished(
         config.training.max_steps,
     ]
     same_data = [identity.get("data.name"), identity.get("training samples")] == [config.data.name, n_train]
-    same_order = data_ranks_of(meta) == world_size or global_order is True
+    # Planned in epochs, the run trained every epoch whatever the number of processes asked now; a number of
+    # steps means other samples on another number of processes, unless the data's order does not depend on it.
+    same_order = data_ranks_of(meta) == world_size or global_order is True or config.training.max_steps == 0
     if not (same_plan and same_data and same_order and n_train and isinstance(per_epoch, int) and per_epoch > 0):
         return None
     if _what_changed(config, run_dir):

@@ -758,9 +758,9 @@ class CheckpointConfig(Section):
     at_end: bool = setting(
         True,
         "Write a checkpoint at the end of the run, so that the same command again says it is complete and more "
-        "training.epochs or max_steps train on from there. false: no end-of-run checkpoint unless every_steps, "
-        "every_epochs or a resume asked for checkpoints; the rerun still says complete, and training on is "
-        "refused (start from its weights with model.init_from).",
+        "training.epochs (or a higher max_steps within them) train on from there. false: no end-of-run checkpoint "
+        "unless every_steps, every_epochs or a resume asked for checkpoints; the rerun still says complete, and "
+        "training on is refused (start from its weights with model.init_from).",
     )
     keep: int = setting(3, "Complete checkpoints kept; older ones are deleted (never the newest).", min=1)
     every_epochs: int = setting(

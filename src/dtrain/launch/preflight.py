@@ -83,15 +83,16 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     n_train = data.size_hint(config)
     if n_train is not None:
         data.check_shardable(config, n_train, dp)
-    rundir.check_contents(run_dir, config.run.allow_other_files)
-    fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     # Token data is served in an order that does not depend on the world size; a factory's may be.
     global_order = data.global_order_of(config)
-    # On one node only: on several, a node's launcher leaving at once would keep the others waiting.
+    # On one node only: on several, a node's launcher leaving at once would keep the others waiting. Before
+    # run.dir's contents are judged: a finished run is complete whatever was put beside it since (.DS_Store).
     if world_size == local_world_size:
         done = checkpoint.finished(config, run_dir, dp, n_train, global_order)
         if done:
             return done
+    rundir.check_contents(run_dir, config.run.allow_other_files)
+    fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
     resume_from = checkpoint.preflight(config, run_dir, dp, global_order, fresh=fresh)
     if world_size > local_world_size:
         return None  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)

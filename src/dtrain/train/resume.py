@@ -47,6 +47,8 @@ class ResumePlan:
         # The evaluation due at the checkpoint's step is in metrics.jsonl already (the checkpoint came first,
         # then the evaluation was logged: a finished run's end, or one stopped just after): not run again.
         self.evaluated_at_resume = False
+        # A finished run rerun found its final weights there: they are not written again.
+        self.weights_kept = False
         # Whether `config` built the model and data (worker.run: `dtrain run`); else they were given in code
         # and config.toml says so, since its [model] and [data] do not describe them.
         self.described_by_config = False
@@ -147,10 +149,15 @@ class ResumePlan:
         `said` (how the run starts), which attempt this is, and what changed since the checkpoint."""
         run_dir, is_main = self.run_dir, session.is_main
         continuing = self.resumed_from is not None and step < total_steps
-        logged_past = evaluated = False  # the interrupted run logged after the checkpoint: new tracker runs
+        # A finished run rerun trains nothing and writes nothing: its config.toml stays the one that trained it,
+        # no tracker or event file is opened, and its weights are kept (written only where they are missing).
+        complete = self.resumed_from is not None and not continuing
+        logged_past = evaluated = weights = False  # the interrupted run logged after the checkpoint: new tracker runs
         if is_main:
             header = rundir.config_header(given_in_code=not self.described_by_config)
-            atomic_write_text(run_dir / "config.toml", header + config.to_toml())
+            if not complete:
+                atomic_write_text(run_dir / "config.toml", header + config.to_toml())
+            weights = (run_dir / "model.safetensors").is_file()
             if continuing:
                 # An epoch that ended exactly at the checkpoint is evaluated on resume, as is a step
                 # training.eval_every_steps evaluates (see Evaluator.should_evaluate) — unless that
@@ -161,7 +168,9 @@ class ResumePlan:
                 logged_past = truncate_metrics(run_dir / "metrics.jsonl", step, drop_eval_at_step=due and not evaluated)
         if continuing:
             self.evaluated_at_resume = bool(distributed.from_rank0(evaluated))
-        trackers = config.monitor.trackers
+        if complete:
+            self.weights_kept = bool(distributed.from_rank0(weights))
+        trackers = () if complete else config.monitor.trackers
         monitor = Monitor(
             run_dir,
             is_main,

@@ -269,7 +269,7 @@ class Trainer:
         self.checkpointer.finish(self.step, last=True)  # a checkpoint written in the background sealed first
         if self.step < total:  # at training.stop_at_step
             self.monitor.info(stopping.stopped_early(self.step, first_step))
-        else:  # model.safetensors, or the trained state kept and the run saying where (see export)
+        elif not self.plan.weights_kept:  # model.safetensors, or the trained state kept and the run saying where
             advice.refuse_a_diverged_state(self.module, self.step, self.config, self.checkpointer.store)
             state = lora.saved(self.module, self.strategy.full_state_dict())  # a collective under FSDP
             path, main, save = self.run_dir / "model.safetensors", self.session.is_main, self._save_checkpoint
