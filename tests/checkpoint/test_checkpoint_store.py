@@ -162,7 +162,7 @@ def test_a_marker_of_the_wrong_shape_is_refused_in_one_line(tmp_path, marker, pr
         store.check_intact(checkpoint)
     assert str(caught.value) == (
         f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
-        f"{checkpoint.path} to resume from an earlier checkpoint"
+        f"{checkpoint.path} and rerun with run.overwrite=true to start over"
     )
 
 

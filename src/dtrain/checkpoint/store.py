@@ -125,27 +125,26 @@ class CheckpointStore:
             meta = checkpoint.meta()
         except (OSError, ValueError) as exc:
             raise CheckpointError(
-                f"{checkpoint.path / MARKER} cannot be read ({exc}); delete "
-                f"{checkpoint.path} to resume from an earlier checkpoint"
+                f"{checkpoint.path / MARKER} cannot be read ({exc}); {self._instead(checkpoint)}"
             ) from None
         if isinstance(meta, dict) and formats.newer(meta.get("format")):
             raise CheckpointError(formats.newer_refusal(checkpoint.name, meta["format"]))
         problem = marker_problem(meta, checkpoint.step)
         if problem:
             raise CheckpointError(
-                f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); delete "
-                f"{checkpoint.path} to resume from an earlier checkpoint"
+                f"{checkpoint.path / MARKER} is not a marker dtrain wrote ({problem}); {self._instead(checkpoint)}"
             )
         problem = verify(checkpoint.path, meta["files"])
         if problem:
-            earlier = [c.name for c in self.complete() if c.step < checkpoint.step]
-            fix = (
-                f"delete {checkpoint.path} to resume from {earlier[-1]}"
-                if earlier
-                else f"delete {checkpoint.path} to start over"
-            )
-            raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {fix}")
+            raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {problem}; {self._instead(checkpoint)}")
         return meta
+
+    def _instead(self, damaged: Checkpoint) -> str:
+        """What a run does without the `damaged` checkpoint: resume from the one before, or start over."""
+        earlier = [c.name for c in self.complete() if c.step < damaged.step]
+        if earlier:
+            return f"delete {damaged.path} to resume from {earlier[-1]}"
+        return f"delete {damaged.path} and rerun with run.overwrite=true to start over"
 
 
 def marker_text(meta: dict[str, Any], files: dict[str, dict[str, int]]) -> str:
