@@ -380,10 +380,13 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
 
 
 def test_a_checkpoint_from_another_world_size_is_refused(checkpointed, tmp_path):
+    """A resume that would train on one process from a 2-process checkpoint (the finished run itself is
+    complete on any number: every epoch it plans was trained)."""
     run_dir = copy_run(checkpointed, tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / "step-39")  # not finished: the resume would train
     refused(
         run_job(run_dir, "--resume", nproc=1),
-        "checkpoint step-39 was written by 2 processes and this run has 1",
+        "checkpoint step-30 was written by 2 processes and this run has 1",
         "resume with 2 processes",
     )
 
@@ -409,7 +412,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused(checkpointed, tmp_path):
 
 
 def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused(checkpointed, tmp_path):
-    refused(run_job(tmp_path / "empty", "--resume"), "holds no complete checkpoint to continue from")
+    refused(run_job(tmp_path / "empty", "--resume"), "holds no run yet; start it without --resume")
     assert not (tmp_path / "empty").exists()
     run_dir = copy_run(checkpointed, tmp_path / "run")
     refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)", "--resume")

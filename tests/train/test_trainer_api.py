@@ -167,7 +167,8 @@ def test_an_empty_eval_set_is_said_once_not_evaluated(tmp_path, capfd):
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
     assert notes == ["note: eval_data holds no samples: this run does not evaluate"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert records and all("loss" in record for record in records)
+    assert records and not any("eval_loss" in record for record in records)
+    assert all("loss" in record or "checkpoint" in record for record in records)  # the end's checkpoint logged too
 
 
 def test_a_loss_that_never_changes_is_said_once(tmp_path, capfd):

@@ -76,9 +76,9 @@ class Checkpointer:
     def due(self, step: int, *, last: bool, forced: bool) -> bool:
         """The save policy, in one place (every rank decides alike). After step `step`, a checkpoint is
         written when the run stops early (`forced`: SIGTERM, training.stop_at_step), every
-        `checkpoint.every_steps` steps, and at the `last` step unless `checkpoint.at_end = false` — even
-        then when checkpoints are scheduled or this run has one (a rerun would resume from it and train the
-        end again) — never twice for a step."""
+        `checkpoint.every_steps` steps, and at the `last` step when checkpoints are scheduled or this run has
+        one (a rerun would resume from it and train the end again) — never twice for a step. The end's own
+        checkpoint (`checkpoint.at_end`) comes after the final weights: see `at_end`."""
         if step == self.last_saved_step:
             return False
         if self._in_flight is not None and self._in_flight.step == step:
@@ -88,11 +88,12 @@ class Checkpointer:
         scheduled = bool(every) and step % every == 0
         # checkpoint.every_epochs: at the end of every such epoch (its last step, before it evaluates)
         scheduled |= bool(epochs and per_epoch) and step % per_epoch == 0 and (step // per_epoch) % epochs == 0
-        return (
-            forced
-            or scheduled
-            or (last and (self.config.at_end or bool(every or epochs) or self.last_saved_step is not None))
-        )
+        return forced or scheduled or (last and (bool(every or epochs) or self.last_saved_step is not None))
+
+    def at_end(self, step: int) -> bool:
+        """Whether the run's end, `step`, still needs its checkpoint (`checkpoint.at_end`): written after the
+        final weights, so that a disk too full for both keeps the weights (export.write_final_weights)."""
+        return self.config.at_end and self.last_saved_step != step
 
     def consider_best(self, step: int, record: dict[str, Any]) -> None:
         """checkpoint.keep_best, after the evaluation at `step` (on every rank: a missing metric stops all)."""

@@ -274,8 +274,9 @@ class Trainer:
             state = lora.saved(self.module, self.strategy.full_state_dict())  # a collective under FSDP
             path, main, save = self.run_dir / "model.safetensors", self.session.is_main, self._save_checkpoint
             export.write_final_weights(state, path, main, self.checkpointer, self.step, save)
-            # SIGTERM near the end: the scheduler reruns on 75, and the rerun must find the run complete.
-            if stopping.requested_by_any() and self.checkpointer.last_saved_step != self.step:
+            # The end's checkpoint (checkpoint.at_end), or SIGTERM near the end: the rerun finds the run complete.
+            ending = self.checkpointer.at_end(self.step) or stopping.requested_by_any()  # collective unless at_end
+            if ending and self.checkpointer.last_saved_step != self.step:
                 self._save_checkpoint()
         distributed.barrier()
         self._left_together = True
