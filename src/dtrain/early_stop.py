@@ -5,9 +5,10 @@ A scheduler may stop a job at any moment, also in its first second, while torch 
 The command line installs this handler first thing, before any heavy import: nothing has been written
 yet, so there is nothing to save and the process may end at once (os._exit: no teardown of a
 half-imported torch; a run.dir lock taken by the launcher's checks is a flock the kernel drops). The
-Trainer's StopRequest replaces it before anything is written to run.dir. A worker takes Ctrl-C here too
-(torchrun passes the launcher's SIGINT on to it); the launcher itself, and a single process at a
-terminal, keep Python's KeyboardInterrupt until the Trainer takes over. No torch here.
+Trainer's StopRequest replaces it before anything is written to run.dir. `dtrain run` (launcher and
+workers) and every worker of dtrain's launcher take Ctrl-C here too (torchrun passes the launcher's SIGINT
+on to its workers); other commands keep Python's KeyboardInterrupt. Once the Trainer lets go, a dtrain
+worker's process ends at once on either signal (`past_training`). No torch here.
 """
 
 from __future__ import annotations
