@@ -199,10 +199,21 @@ def launch(spec: LaunchSpec, entry: list[str]) -> int:
 def _print_first_failure(exc: ChildFailedError) -> int:
     """Print the first failure once; its exit status is the job's. A line dtrain's workers wrote for
     people (bad input, a hang, a SIGTERM before training) is printed as it is, wherever it came among the
-    failures: it says why the others stopped. Otherwise the first failure decides: a worker's own exit
+    failures: it says why the others stopped; a SIGTERM's line only when no worker failed on its own (else
+    torch's agent sent it, because of that failure). Otherwise the first failure decides: a worker's own exit
     status is the job's (a script's `sys.exit(3)` is 3, its 75 a requeue for the scheduler), printed with
     its rank, and a crash's traceback with it; a worker killed by a signal is 1."""
-    said = next((f for f in exc.failures.values() if f.exitcode in SAID_AS_IT_IS and _written_by_worker(f)), None)
+    # A worker that failed on its own (a positive status other than 75) is the cause; a requeue beside it
+    # is a worker torchrun stopped because of it, which may come first within the same second.
+    own = [(r, f) for r, f in exc.failures.items() if f.exitcode > 0 and f.exitcode != EXIT_REQUEUE]
+    said = next(
+        (
+            f
+            for f in exc.failures.values()
+            if f.exitcode in SAID_AS_IT_IS and _written_by_worker(f) and not (f.exitcode == EXIT_REQUEUE and own)
+        ),
+        None,
+    )
     if said is not None:
         kind = "" if said.exitcode == EXIT_REQUEUE else "error: "  # a requeue is no error
         print(f"dtrain: {kind}{said.message}", file=sys.stderr, flush=True)
@@ -210,9 +221,6 @@ def _print_first_failure(exc: ChildFailedError) -> int:
     # torch's first: the earliest, and among failures of the same second the first it saw (the workers
     # it stopped because of it come after).
     rank, failure = exc.get_first_failure()
-    # A worker that failed on its own (a positive status other than 75) is the cause; a requeue beside it
-    # is a worker torchrun stopped because of it, which may come first within the same second.
-    own = [(r, f) for r, f in exc.failures.items() if f.exitcode > 0 and f.exitcode != EXIT_REQUEUE]
     if failure.exitcode == EXIT_REQUEUE and own:
         rank, failure = min(own, key=lambda item: (item[1].timestamp, item[0]))
     if failure.exitcode == EXIT_REQUEUE:  # after training began, rank 0 said where its checkpoint is
