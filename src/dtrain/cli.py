@@ -157,13 +157,14 @@ def cmd_run(argv: Sequence[str]) -> int:
     from dtrain.distributed import in_worker_environment
     from dtrain.launch import launch
     from dtrain.launch.preflight import preflight
-    from dtrain.worker import worker_main
 
     # Inside torchrun: a worker. RANK/WORLD_SIZE (or srun's, mpirun's variables) without launch flags:
     # a worker started by something else (it waits for its peers in distributed.start, saying so). With
     # launch flags dtrain launches, whatever the environment says (a Kubernetes PyTorchJob pod sets RANK
     # and WORLD_SIZE for the pod; torchrun sets the workers').
     if "TORCHELASTIC_RUN_ID" in os.environ or (in_worker_environment() and not _explicit_launch(args)):
+        from dtrain.worker import worker_main
+
         return worker_main(config)
 
     distributed.keep_to_the_cpu(config.training.device)  # before anything here or in a worker asks CUDA
@@ -178,6 +179,8 @@ def cmd_run(argv: Sequence[str]) -> int:
         print(f"dtrain: {done}", file=sys.stderr)
         return 0
     if spec.nproc == 1 and not spec.multi_node and spec.max_restarts == 0:
+        from dtrain.worker import worker_main  # the trainer: only where this process trains
+
         return worker_main(config)  # one process: no launcher needed
     return launch(spec, ["-m", "dtrain", "run", args.config, *overrides])
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -117,13 +120,27 @@ def _split(x: torch.Tensor, y: torch.Tensor, fraction: float) -> tuple[TensorDat
 
 
 def _digits(data: DataConfig) -> DataSplits:
-    from sklearn.datasets import load_digits  # imported here: it is slow and only digits needs it
-
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16
-    y = torch.tensor(digits.target, dtype=torch.int64)
+    pixels, labels = digits_arrays()
+    x = torch.tensor(pixels, dtype=torch.float32) / 16.0  # pixels are 0..16
+    y = torch.tensor(labels, dtype=torch.int64)
     train, ev = _split(x, y, data.eval_fraction)
     return DataSplits(train, ev, input_shape=DIGITS_SHAPE, num_classes=10)
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's handwritten digits (1797 rows of 64 pixels, and their labels), read from the file
+    scikit-learn ships, as its load_digits does, without importing scikit-learn: that import alone
+    costs a worker about 1.5 s before its first step. Its own loader where the file is not found."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    folders = spec.submodule_search_locations if spec is not None else None
+    csv = Path(folders[0]) / "datasets" / "data" / "digits.csv.gz" if folders else None
+    if csv is None or not csv.is_file():
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.data, digits.target
+    table = np.loadtxt(csv, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
 
 
 def _mnist(data: DataConfig) -> DataSplits:

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from dtrain.parallel.dtensors import is_dtensor
 
 
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -189,7 +190,7 @@ class GPT(nn.Module):
             # which a causal model's last real position never sees.
             t = window.shape[1]
             logits = self(F.pad(window, (0, -t % multiple)))
-            if isinstance(logits, DTensor):  # split over the vocabulary under tensor parallel (gpt_tp.py)
+            if is_dtensor(logits):  # split over the vocabulary under tensor parallel (gpt_tp.py)
                 logits = logits.full_tensor()
             logits = logits[:, t - 1, :]
             if temperature == 0:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Subset, TensorDataset
 
 from dtrain import distributed, factory, parallel
@@ -28,6 +27,7 @@ from dtrain.data.stream_eval import StreamEvalBatches
 from dtrain.data.streams import is_stream
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
+from dtrain.parallel.dtensors import is_dtensor
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, forward, logits_of
 from dtrain.train.whole_split import SplitOutputs, WholeSplit
@@ -131,7 +131,7 @@ class Evaluator:
                 continue
             with self.precision.autocast(), spread.loss_context():
                 loss, output, target = self.loss_of(module, batch)
-            if isinstance(output, DTensor) and (self.user_metrics is not None or output.dim() == 2):
+            if is_dtensor(output) and (self.user_metrics is not None or output.dim() == 2):
                 # Logits split over the classes (loss parallel), gathered whole for metrics over predictions
                 # (the user's, accuracy) by every tensor-parallel peer (a collective), counted or not.
                 output = output.full_tensor()

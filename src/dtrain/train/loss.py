@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.data.batch import IGNORE_INDEX, num_samples, split
 from dtrain.errors import DtrainError
+from dtrain.parallel.dtensors import is_dtensor
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -61,7 +61,7 @@ def cross_entropy(output: Any, target: torch.Tensor, per_item: torch.Tensor | No
     if logits.dim() > 2 and tuple(target.shape) == tuple(logits.shape[:-1]):
         logits, target = logits.flatten(0, -2), target.flatten()
     loss = F.cross_entropy(logits, target, reduction="mean" if per_item is None else "sum")
-    if isinstance(loss, DTensor):  # logits split over the vocabulary, under torch's loss_parallel():
+    if is_dtensor(loss):  # logits split over the vocabulary, under torch's loss_parallel():
         loss = loss.to_local()  # the whole loss on every rank, its backward reduced over the split
     return loss if per_item is None else loss / per_item
 
