@@ -11,6 +11,9 @@ import sysconfig  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Counts the processes each test starts; the whole suite fails past pyproject's process_budget.
+pytest_plugins = ["process_budget"]
+
 # DTRAIN_REQUIRE_FULL=1 (CI sets it where the machine allows root and network namespaces): a test
 # that skips fails instead, so a suite that quietly stopped testing something cannot pass. A skip that
 # only says "this machine is of the other kind" (a GPU machine skipping a no-GPU check) is marked
@@ -75,3 +78,44 @@ def json_byte_tokens(tmp_path_factory):
 def json_bpe_tokens(tmp_path_factory):
     """The json package as BPE tokens with a tokenizer of 300 entries trained on it."""
     return _prepared_json_package(tmp_path_factory, "bpe", "--vocab-size", "300")
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """`cli("run", ...)`: `dtrain ARGS` answered in this process, for the refusals that come before any
+    worker starts (a subprocess costs a Python start and often `import torch`; this costs milliseconds).
+    Returns what `helpers.dtrain` does (returncode, stdout, stderr); `cwd` as there. What the command
+    changes in the process (signal handlers, os.environ, sys.stdout and sys.stderr, the working folder)
+    is put back. The real command line, its exit status and "printed once, not once per rank" stay
+    proven by the subprocess tests."""
+    import signal
+    import subprocess
+
+    from helpers import ROOT
+
+    def call(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        from dtrain.cli import main
+
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
+        with monkeypatch.context() as patch:
+            patch.chdir(cwd or ROOT)
+            capfd.readouterr()  # what came before is not this command's
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse's own exits
+                status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            finally:
+                sys.stdout, sys.stderr = streams
+                os.environ.clear()
+                os.environ.update(environ)
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
+            out, err = capfd.readouterr()
+        import torch.distributed as dist
+
+        # A command that trained here would leave state behind: those belong in a subprocess (helpers.dtrain).
+        assert not (dist.is_available() and dist.is_initialized()), f"dtrain {' '.join(args)} left a process group"
+        return subprocess.CompletedProcess(["dtrain", *args], status, out, err)
+
+    return call
