@@ -109,8 +109,8 @@ def refused(result, message: str, tmp_path) -> None:
         ),
     ],
 )
-def test_refused_before_any_worker_starts(tmp_path, args, message):
-    refused(dtrain("run", CFG, *args, f"run.dir={tmp_path / 'run'}"), message, tmp_path)
+def test_refused_before_any_worker_starts(cli, tmp_path, args, message):
+    refused(cli("run", CFG, *args, f"run.dir={tmp_path / 'run'}"), message, tmp_path)
 
 
 def test_missing_and_broken_config_files(tmp_path):
@@ -174,9 +174,9 @@ def test_a_problem_only_workers_can_see_is_reported_once(tmp_path, model, messag
         (["examples/gpt_stdlib.toml", "model.options.n_head=0"], "model.options.n_head must be >= 1; got 0"),
     ],
 )
-def test_dtrain_config_refuses_what_dtrain_run_would(args, message):
+def test_dtrain_config_refuses_what_dtrain_run_would(cli, args, message):
     """`dtrain config` answers as `dtrain run` does, without reading data: no token files needed."""
-    result = dtrain("config", *args)
+    result = cli("config", *args)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"dtrain: error: {message}\n")
 
 
@@ -220,39 +220,39 @@ def test_unknown_command_and_missing_script():
     assert result.returncode == 2 and result.stderr.strip() == "dtrain: error: script no_such_script.py does not exist"
 
 
-def test_an_empty_run_dir_is_refused(tmp_path):
+def test_an_empty_run_dir_is_refused(cli, tmp_path):
     """run.dir=$UNSET_VARIABLE: nothing is written anywhere, least of all beside the config."""
     refused(
-        dtrain("run", str(ROOT / CFG), "run.dir=", cwd=tmp_path),
+        cli("run", str(ROOT / CFG), "run.dir=", cwd=tmp_path),
         "run.dir is empty (an unset shell variable?); give the folder the run writes to, e.g. run.dir=runs/first",
         tmp_path,
     )
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_run_dir_with_a_nul_character_is_refused(tmp_path):
+def test_a_run_dir_with_a_nul_character_is_refused(cli, tmp_path):
     """A TOML escape in a quoted override gives a character no path can hold: one line, not a traceback."""
     refused(
-        dtrain("run", str(ROOT / CFG), 'run.dir="a\\u0000b"', cwd=tmp_path),
+        cli("run", str(ROOT / CFG), 'run.dir="a\\u0000b"', cwd=tmp_path),
         "run.dir = 'a\\x00b' holds a NUL character, which no path can; e.g. run.dir=runs/first",
         tmp_path,
     )
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(tmp_path):
+def test_the_config_being_read_and_a_users_own_file_are_never_overwritten(cli, tmp_path):
     own = tmp_path / "config.toml"
     own.write_text("# my notes\n[training]\nepochs = 1\n")
     own.chmod(0o640)
     before = own.read_bytes()
     refused(
-        dtrain("run", str(own), "run.dir=.", cwd=tmp_path),
+        cli("run", str(own), "run.dir=.", cwd=tmp_path),
         "run.dir = '.' would write the run's config.toml over " + str(own) + ", the config being read; "
         "choose another run.dir (e.g. run.dir=runs/config)",
         tmp_path,
     )
     refused(
-        dtrain("run", CFG, f"run.dir={tmp_path}", "training.epochs=1"),
+        cli("run", CFG, f"run.dir={tmp_path}", "training.epochs=1"),
         f"{own} is not a config dtrain wrote (a file of yours?) and a run writes its config.toml there; "
         f"choose another run.dir, or move the file",
         tmp_path,
@@ -368,9 +368,9 @@ def test_factories_of_the_wrong_kind_are_reported_once_by_the_workers(tmp_path, 
     refused(dtrain("run", CFG, *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}"), message, tmp_path)
 
 
-def test_a_quoted_run_dir_is_the_folder_between_the_quotes(tmp_path):
+def test_a_quoted_run_dir_is_the_folder_between_the_quotes(cli, tmp_path):
     """'run.dir="runs/a"' (quoted twice, as lists must be) trains into runs/a; nothing named '"' appears."""
-    config = dtrain("config", CFG, 'run.dir="runs/a b"', "data.name='digits'")
+    config = cli("config", CFG, 'run.dir="runs/a b"', "data.name='digits'")
     assert config.returncode == 0 and 'dir = "runs/a b"' in config.stdout, config.stderr
     ok(dtrain("run", str(ROOT / CFG), 'run.dir="runs/a"', "training.max_steps=2", "monitor.trackers=[]", cwd=tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["runs"] and (tmp_path / "runs" / "a" / "model.safetensors").exists()

@@ -39,13 +39,13 @@ def event_files(run_dir):
     return sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_a_run_dir_holding_other_files_is_refused_unless_allowed(tmp_path):
+def test_a_run_dir_holding_other_files_is_refused_unless_allowed(cli, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("my notes")
     (run_dir / "data").mkdir()
     refused(
-        dtrain("run", *JOB, f"run.dir={run_dir}"),
+        cli("run", *JOB, f"run.dir={run_dir}"),
         f"run.dir {run_dir} holds files dtrain did not write (data, notes.txt); choose an empty or new "
         f"run.dir, or set run.allow_other_files=true to write beside them",
     )
@@ -214,13 +214,13 @@ def test_only_a_run_that_left_no_sealed_checkpoint_anywhere_is_replaced(tmp_path
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only filesystem needs root")
-def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path):
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(cli, tmp_path):
     """Root may write anywhere the mode bits forbid, never on a read-only mount: the launcher finds it."""
     mount = tmp_path / "ro"
     if not mount_tmpfs(mount, "1m", read_only=True):
         pytest.fail("mount -t tmpfs -o ro failed as root")
     try:
-        result = dtrain("run", *JOB, f"run.dir={mount / 'run'}")
+        result = cli("run", *JOB, f"run.dir={mount / 'run'}")
         refused(
             result,
             f"run.dir {mount / 'run'} cannot be written ({mount} is not a writable folder); choose another run.dir",
@@ -249,7 +249,7 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_by_the_launcher(tmp_path
         ),
     ],
 )
-def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path, stranger, message):
+def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(cli, tmp_path, stranger, message):
     """run.overwrite and run.allow_other_files never make dtrain delete or write into what it did not
     write, even at one of its own names."""
     path = tmp_path / stranger.removeprefix("link:")
@@ -265,7 +265,7 @@ def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(tmp_path,
     else:
         path.write_text("precious")
     before = snapshot(tmp_path)
-    result = dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "run.allow_other_files=true")
+    result = cli("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "run.allow_other_files=true")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert snapshot(tmp_path) == before
 
@@ -278,13 +278,13 @@ def test_overwrite_deletes_nothing_when_the_run_is_refused_after_all(tmp_path):
     assert snapshot(tmp_path) == before
 
 
-def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(cli, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("mine")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".lock").symlink_to(victim)
-    result = dtrain("run", *JOB, f"run.dir={run_dir}")
+    result = cli("run", *JOB, f"run.dir={run_dir}")
     assert result.returncode == 2, result.stderr
     assert (
         f"run.dir {run_dir}: .lock is where dtrain writes its .lock, and it is not dtrain's lock file" in result.stderr
@@ -293,10 +293,10 @@ def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["/", "~"])
-def test_the_root_and_home_folders_are_never_a_run_dir(where):
+def test_the_root_and_home_folders_are_never_a_run_dir(cli, where):
     shown = os.path.expanduser(where)
     refused(
-        dtrain("run", *JOB, f"run.dir={where}", "run.allow_other_files=true", "run.overwrite=true"),
+        cli("run", *JOB, f"run.dir={where}", "run.allow_other_files=true", "run.overwrite=true"),
         f"run.dir {shown} is {'the root folder' if where == '/' else 'your home folder'}; give the run a "
         f"folder of its own, e.g. run.dir=runs/first",
     )
