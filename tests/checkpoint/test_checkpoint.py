@@ -35,6 +35,11 @@ def run_job(run_dir, *extra, nproc=2, model_extra=""):
     return dtrain("run", *JOB, MODEL % model_extra, "--nproc", str(nproc), f"run.dir={run_dir}", *extra)
 
 
+def launcher_refuses(cli, run_dir, *extra, nproc=2):
+    """`run_job` for a run the launcher refuses before any worker starts: answered in this process."""
+    return cli("run", *JOB, MODEL % "", "--nproc", str(nproc), f"run.dir={run_dir}", *extra)
+
+
 def assert_same_weights(a: Path, b: Path) -> None:
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
@@ -355,7 +360,7 @@ def refused(result, *fragments):
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
-def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpointed, reference, tmp_path, damage):
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(cli, checkpointed, reference, tmp_path, damage):
     run_dir = copy_run(checkpointed, tmp_path / "run")
     target = run_dir / "checkpoints" / "step-39" / "state" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
@@ -364,7 +369,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
         target.write_bytes(bytes(data))
     else:
         target.write_bytes(bytes(data[:-100]))
-    result = run_job(run_dir, "--resume")  # refused by the launcher, before any worker starts
+    result = launcher_refuses(cli, run_dir, "--resume")
     refused(
         result,
         f"checkpoint step-39 is damaged: {target} is {damage}",
@@ -379,25 +384,25 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(checkpoi
     assert_same_weights(reference, run_dir)
 
 
-def test_a_checkpoint_from_another_world_size_is_refused(checkpointed, tmp_path):
+def test_a_checkpoint_from_another_world_size_is_refused(cli, checkpointed, tmp_path):
     """A resume that would train on one process from a 2-process checkpoint (the finished run itself is
     complete on any number: every epoch it plans was trained)."""
     run_dir = copy_run(checkpointed, tmp_path / "run")
     shutil.rmtree(run_dir / "checkpoints" / "step-39")  # not finished: the resume would train
     refused(
-        run_job(run_dir, "--resume", nproc=1),
+        launcher_refuses(cli, run_dir, "--resume", nproc=1),
         "checkpoint step-30 was written by 2 processes and this run has 1",
         "resume with 2 processes",
     )
 
 
-def test_a_global_batch_size_other_than_the_checkpoints_is_refused(checkpointed, tmp_path):
+def test_a_global_batch_size_other_than_the_checkpoints_is_refused(cli, checkpointed, tmp_path):
     """The checkpoint trained on global batches of 32 (2 processes × 16): a resume stating another
     training.global_batch_size is refused in one line rather than silently keeping the checkpoint's."""
     run_dir = copy_run(checkpointed, tmp_path / "run")
     shutil.rmtree(run_dir / "checkpoints" / "step-39")  # not finished: the resume would train
     refused(
-        run_job(run_dir, "--resume", "training.global_batch_size=64"),
+        launcher_refuses(cli, run_dir, "--resume", "training.global_batch_size=64"),
         "checkpoint step-30 trained on global batches of 32 samples and training.global_batch_size = 64",
         "give training.global_batch_size=32",
     )
@@ -411,11 +416,13 @@ def test_a_checkpoint_of_another_model_shape_is_refused(checkpointed, tmp_path):
     )
 
 
-def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused(checkpointed, tmp_path):
-    refused(run_job(tmp_path / "empty", "--resume"), "holds no run yet; start it without --resume")
+def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused(cli, checkpointed, tmp_path):
+    refused(launcher_refuses(cli, tmp_path / "empty", "--resume"), "holds no run yet; start it without --resume")
     assert not (tmp_path / "empty").exists()
     run_dir = copy_run(checkpointed, tmp_path / "run")
-    refused(run_job(run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)", "--resume")
+    refused(
+        launcher_refuses(cli, run_dir, "checkpoint.resume=no"), "already holds checkpoints (newest step-39)", "--resume"
+    )
 
 
 def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(reference, tmp_path):
@@ -556,7 +563,7 @@ def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(ref
 
 
 @pytest.mark.parametrize("obstacle", ["weights_dir", "run_dir_file", "symlink_loop"])
-def test_a_run_dir_that_cannot_work_is_refused_by_the_launcher(tmp_path, obstacle):
+def test_a_run_dir_that_cannot_work_is_refused_by_the_launcher(cli, tmp_path, obstacle):
     run_dir = tmp_path / "run"
     if obstacle == "weights_dir":
         (run_dir / "model.safetensors").mkdir(parents=True)
@@ -569,17 +576,17 @@ def test_a_run_dir_that_cannot_work_is_refused_by_the_launcher(tmp_path, obstacl
         (tmp_path / "loop").symlink_to(run_dir)
         message = f"run.dir {run_dir} cannot be used"
     before = sorted(p.name for p in tmp_path.iterdir())
-    refused(run_job(run_dir), message)
+    refused(launcher_refuses(cli, run_dir), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_a_run_dir_in_use_by_a_live_run_is_refused(tmp_path):
+def test_a_run_dir_in_use_by_a_live_run_is_refused(cli, tmp_path):
     # Slower steps than the others' (about 40 s in all, stopped by SIGTERM once checked): the second run
     # must reach the lock while the first still trains, however long its start takes on a busy machine.
     first = start_slow_job(tmp_path, slow=", step_sleep_s = 1.0")
     try:
         wait_for(lambda: logged_steps(tmp_path) >= 5, what="the first run to start")
-        refused(run_job(tmp_path), f"run.dir {tmp_path} is in use by another run (pid")
+        refused(launcher_refuses(cli, tmp_path), f"run.dir {tmp_path} is in use by another run (pid")
         assert first.poll() is None  # the first run is unharmed
     finally:
         first.send_signal(signal.SIGTERM)

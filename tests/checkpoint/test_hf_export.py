@@ -211,9 +211,9 @@ def test_the_byte_tokenizer_exports_as_the_same_bytes():
     assert theirs.token_to_id("<|endoftext|>") == ours.eot
 
 
-def test_what_cannot_be_exported_is_refused_in_one_line(gpt_ddp, tmp_path):
+def test_what_cannot_be_exported_is_refused_in_one_line(cli, gpt_ddp, tmp_path):
     def refused(*args: str) -> str:
-        result = run_dtrain("export", *args)
+        result = cli("export", *args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         return result.stderr.strip()
 
@@ -224,7 +224,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line(gpt_ddp, tmp_path):
         f"or a Hugging Face transformers model"
     )
     # Asked for at the end of a run that cannot give it: refused before training, nothing written.
-    at_end = run_dtrain("run", *SMALL_JOB, f"run.dir={tmp_path / 'never'}", "checkpoint.export=hf")
+    at_end = cli("run", *SMALL_JOB, f"run.dir={tmp_path / 'never'}", "checkpoint.export=hf")
     assert at_end.returncode == 2 and "checkpoint.export = hf: the run trained a Sequential" in at_end.stderr
     assert not (tmp_path / "never").exists()
     for args, message in (  # in this process: the same function, without a command's start-up each
@@ -332,10 +332,10 @@ def test_a_sigterm_while_export_writes_leaves_neither_out_nor_staging_folder(gpt
     )
 
 
-def test_an_empty_run_dir_or_out_is_refused_not_taken_for_the_current_folder(tmp_path):
+def test_an_empty_run_dir_or_out_is_refused_not_taken_for_the_current_folder(cli, tmp_path):
     """`dtrain export "$RUN" --format hf` with RUN unset: one line, not an export of the current folder."""
     for args, what in (([""], "RUN_DIR"), ([str(tmp_path), "--out", " "], "--out")):
-        result = run_dtrain("export", *args, "--format", "hf", cwd=tmp_path)
+        result = cli("export", *args, "--format", "hf", cwd=tmp_path)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith(f"dtrain: error: {what} is empty (an unset shell variable?)"), result.stderr
     assert not any(tmp_path.iterdir())

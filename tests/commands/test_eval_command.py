@@ -84,7 +84,7 @@ def test_a_run_still_training_is_evaluated_with_an_override_of_its_config(traine
     assert capped["eval_samples"] == 8  # training.eval_batches × data.eval_batch_size, as the run would cap it
 
 
-def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_path):
+def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(cli, trained, tmp_path):
     run_dir, _ = trained
     for args, said in (
         ([str(run_dir), "--step", "7"], f"{run_dir} holds no complete checkpoint step-7; complete steps: 20, 25, 30"),
@@ -100,13 +100,13 @@ def test_a_missing_step_or_a_folder_that_is_no_run_dir_is_one_line(trained, tmp_
         ),
         ([str(run_dir), "training.eval_metrics=:"], "training.eval_metrics = ':': write it as 'package.module:name'"),
     ):
-        result = dtrain("eval", *args)
+        result = cli("eval", *args)
         lines = (result.stdout + result.stderr).splitlines()
         assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
         assert lines[0].startswith(f"dtrain: error: {said}"), lines[0]
 
 
-def test_a_damaged_checkpoint_is_named_in_one_line(trained, tmp_path):
+def test_a_damaged_checkpoint_is_named_in_one_line(cli, trained, tmp_path):
     """A truncated checkpoint file: the line a resume says, not the tensor reader's traceback."""
     import shutil
 
@@ -114,7 +114,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line(trained, tmp_path):
     shutil.copytree(trained[0], run_dir)
     shard = sorted((run_dir / "checkpoints" / "step-30" / "state").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    result = dtrain("eval", str(run_dir))
+    result = cli("eval", str(run_dir))
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
     assert lines[0].startswith(f"dtrain: error: checkpoint step-30 is damaged: {shard} is truncated"), lines[0]
@@ -132,7 +132,7 @@ def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one
     assert abs(one["eval_loss"] - logged[5]["eval_loss"]) < 1e-6
 
 
-def test_a_run_of_a_script_is_refused_in_one_line(tmp_path):
+def test_a_run_of_a_script_is_refused_in_one_line(cli, tmp_path):
     """A run whose model was given in code to dtrain.Trainer: config.toml cannot rebuild it."""
     run_dir = tmp_path / "script"
     script = tmp_path / "train.py"
@@ -146,7 +146,7 @@ def test_a_run_of_a_script_is_refused_in_one_line(tmp_path):
         "dtrain.Trainer(config, model=torch.nn.Linear(4, 2), train_data=data, eval_data=data).fit()\n"
     )
     ok(dtrain("launch", str(script), str(run_dir)))
-    result = dtrain("eval", str(run_dir))
+    result = cli("eval", str(run_dir))
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines)
     assert "dtrain eval evaluates runs of `dtrain run CONFIG` only" in lines[0]

@@ -73,7 +73,7 @@ def test_prepare_round_trips_the_text_and_is_stable(corpus, tmp_path, tokenizer)
     assert first == second  # the same input, the same bytes (tokenizer included)
 
 
-def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_path):
+def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(cli, corpus, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("  \n")
@@ -95,14 +95,14 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_half_written(corpus, tmp_p
         ),
     ]
     for args, message in cases:
-        result = dtrain("prepare", "text", *args)
+        result = cli("prepare", "text", *args)
         assert result.returncode == 2 and result.stderr.strip() == f"dtrain: error: {message}", result.stderr
     # A vocabulary that does not fit the chosen type.
     from tokenizers import Tokenizer, models
 
     big = tmp_path / "big.json"
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0")).save(str(big))
-    result = dtrain(
+    result = cli(
         "prepare", "text", str(corpus), "--out", str(tmp_path / "a"), "--tokenizer", str(big), "--dtype", "uint16"
     )
     assert result.stderr.strip() == (
@@ -331,8 +331,8 @@ def test_meta_json_problems_are_one_line(prepared, tmp_path):
         (["model.options.n_embd=33"], "model.options.n_embd = 33 must be a multiple of n_head = 2"),
     ],
 )
-def test_token_jobs_that_cannot_work_are_refused_in_one_line(prepared, tmp_path, args, message):
-    result = dtrain("run", *GPT, f"data.path={prepared}", *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}")
+def test_token_jobs_that_cannot_work_are_refused_in_one_line(cli, prepared, tmp_path, args, message):
+    result = cli("run", *GPT, f"data.path={prepared}", *args, "--nproc", "2", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and message in lines[0], result.stderr
@@ -398,9 +398,9 @@ def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(prepared
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_path):
+def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(cli, gpt_run, tmp_path):
     first = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
-    again = ok(dtrain("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
+    again = ok(cli("generate", str(gpt_run), "--prompt", "def ", "--tokens", "30")).stdout
     assert first.startswith("def ") and len(first) > len("def ") + 10 and first == again  # seeded
     assert EOT not in first
     assert (gpt_run / "tokenizer" / "tokenizer.json").is_file()  # kept beside the weights
@@ -408,7 +408,7 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
     shutil.copytree(gpt_run, moved)
     config = (moved / "config.toml").read_text()
     (moved / "config.toml").write_text(re.sub(r'(?m)^path = ".*"$', 'path = "/gone/tokens"', config))
-    elsewhere = ok(dtrain("generate", str(moved), "--prompt", "def ", "--tokens", "30", cwd=tmp_path)).stdout
+    elsewhere = ok(cli("generate", str(moved), "--prompt", "def ", "--tokens", "30", cwd=tmp_path)).stdout
     assert elsewhere == first  # the data folder gone, the run read from another folder: the same sample
     # A run still training there (it holds run.dir's lock, as a resumed run does): the sample is said to
     # be from its last finish's weights, and without weights yet generate says what it waits for.
@@ -416,14 +416,14 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
         lock = RunDirLock(folder)
         lock.acquire()
         try:
-            busy = ok(dtrain("generate", str(folder), "--prompt", "def ", "--tokens", "30"))
+            busy = ok(cli("generate", str(folder), "--prompt", "def ", "--tokens", "30"))
             assert busy.stdout == first and busy.stderr.strip() == (
                 f"note: {folder} is still training; this sample is from the model.safetensors of its last finish"
             )
             if folder == moved:
                 (moved / "model.safetensors").unlink()
                 shutil.rmtree(moved / "checkpoints")
-                waiting = dtrain("generate", str(moved))
+                waiting = cli("generate", str(moved))
                 assert waiting.returncode == 2 and waiting.stderr.strip() == (
                     f"dtrain: error: {moved} is still training and has written neither a checkpoint nor "
                     f"model.safetensors yet; generate once it has (checkpoint.every_steps sets how often it "
@@ -432,16 +432,16 @@ def test_generate_prints_a_sample_decoded_with_the_runs_tokenizer(gpt_run, tmp_p
         finally:
             lock.release()
     for flags in (["--temperature", "nan"], ["--tokens", "1000000"]):
-        refused = dtrain("generate", str(gpt_run), *flags)
+        refused = cli("generate", str(gpt_run), *flags)
         assert refused.returncode == 2 and refused.stderr.startswith("dtrain: error: --temperature must be a number")
-    result = dtrain("generate", str(gpt_run / "nope"))
+    result = cli("generate", str(gpt_run / "nope"))
     assert result.returncode == 2 and "model.safetensors does not exist" not in result.stderr
     assert result.stderr.strip() == (
         f"dtrain: error: {gpt_run / 'nope' / 'config.toml'} does not exist: RUN_DIR must be the run.dir of a dtrain run"
     )
 
 
-def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(gpt_run):
+def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(cli, gpt_run):
     """Greedy decoding: each new token the argmax of the model's next-token scores, so the sample does not
     depend on --seed (at the default temperature it does)."""
     torch.manual_seed(0)
@@ -455,7 +455,7 @@ def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(gpt_run):
     assert torch.equal(greedy[0], expected) and torch.equal(greedy[1], expected)
     samples = {
         (t, s): ok(
-            dtrain("generate", str(gpt_run), "--prompt", "def", "--tokens", "20", "--temperature", t, "--seed", s)
+            cli("generate", str(gpt_run), "--prompt", "def", "--tokens", "20", "--temperature", t, "--seed", s)
         ).stdout
         for t in ("0", "1")
         for s in ("0", "1")
@@ -463,7 +463,7 @@ def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(gpt_run):
     assert samples["0", "0"] == samples["0", "1"] and samples["1", "0"] != samples["1", "1"]
 
 
-def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(prepared, gpt_run, tmp_path):
+def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(cli, prepared, gpt_run, tmp_path):
     """A run trained on from step 12 to 16 (its checkpoint step-16 sealed after the step-12 weights it
     started from): generate samples step 16's weights, says so, and gives the text those weights give
     once they are the run's model.safetensors."""
@@ -472,7 +472,7 @@ def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(prepared, 
     more = [*GPT, f"data.path={prepared}", f"run.dir={run_dir}", "training.max_steps=16", "optimizer.lr=0.1"]
     ok(dtrain("run", *more, "--nproc", "2"))
     sample = ["--prompt", "def", "--tokens", "40", "--temperature", "1", "--top-k", "0"]  # seeded: one text per state
-    at_12, at_16 = (ok(dtrain("generate", str(d), *sample)).stdout for d in (gpt_run, run_dir))
+    at_12, at_16 = (ok(cli("generate", str(d), *sample)).stdout for d in (gpt_run, run_dir))
     assert at_12 != at_16  # four steps at a high rate changed the sample: the test tells the states apart
     shutil.copy2(gpt_run / "model.safetensors", run_dir / "model.safetensors")  # step 12's, older than step-16
     lock = RunDirLock(run_dir)
@@ -481,7 +481,7 @@ def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(prepared, 
             lock.acquire()
             (run_dir / "model.safetensors").unlink()
         try:
-            result = ok(dtrain("generate", str(run_dir), *sample))
+            result = ok(cli("generate", str(run_dir), *sample))
         finally:
             if training:
                 lock.release()
@@ -489,7 +489,7 @@ def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(prepared, 
         assert result.stdout == at_16 and result.stderr.strip() == (
             f"note: {run_dir} {why}; this sample is from its newest checkpoint, step-16 (step 16)"
         )
-    stopped = ok(dtrain("generate", str(run_dir), *sample))  # lock released: a run that stopped before its end
+    stopped = ok(cli("generate", str(run_dir), *sample))  # lock released: a run that stopped before its end
     assert stopped.stdout == at_16 and "has no model.safetensors; this sample is from" in stopped.stderr
 
 
