@@ -84,22 +84,28 @@ def json_bpe_tokens(tmp_path_factory):
 def cli(capfd, monkeypatch):
     """`cli("run", ...)`: `dtrain ARGS` answered in this process, for the refusals that come before any
     worker starts (a subprocess costs a Python start and often `import torch`; this costs milliseconds).
-    Returns what `helpers.dtrain` does (returncode, stdout, stderr); `cwd` as there. What the command
+    Returns what `helpers.dtrain` does (returncode, stdout, stderr); `cwd` and `extra_env` as there. What the command
     changes in the process (signal handlers, os.environ, sys.stdout and sys.stderr, the working folder)
     is put back. The real command line, its exit status and "printed once, not once per rank" stay
     proven by the subprocess tests."""
     import signal
     import subprocess
 
-    from helpers import ROOT
+    from helpers import NOT_INHERITED, ROOT
 
-    def call(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    def call(
+        *args: str, cwd: Path | None = None, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         from dtrain.cli import main
 
         handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
         with monkeypatch.context() as patch:
             patch.chdir(cwd or ROOT)
+            for name in [n for n in os.environ if n.startswith(NOT_INHERITED)]:  # as helpers.env() leaves them out
+                patch.delenv(name)
+            for name, value in (extra_env or {}).items():
+                patch.setenv(name, value)
             capfd.readouterr()  # what came before is not this command's
             try:
                 status = main(list(args))

@@ -48,13 +48,13 @@ def gpt_on_tokens(tokens: Path, run_dir: Path, *args: str, block: int = 32, batc
     ]
 
 
+# What a child never inherits from the test's environment: rank variables, a scheduler's, dtrain's own.
+NOT_INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "OMPI_", "DTRAIN_")
+
+
 def env(**extra: str) -> dict[str, str]:
     """A clean environment for a child: no inherited rank variables, tests importable."""
-    e = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "OMPI_", "DTRAIN_"))
-    }
+    e = {k: v for k, v in os.environ.items() if not k.startswith(NOT_INHERITED)}
     e["PYTHONPATH"] = os.pathsep.join([str(WORKERS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(extra)
     return e

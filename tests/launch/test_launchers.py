@@ -236,8 +236,8 @@ def test_dtrain_launch_in_two_pods_runs_one_job_of_two_ranks(reference, tmp_path
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port (1-65535)"),
     ],
 )
-def test_an_impossible_environment_is_refused_at_once(tmp_path, variables, message):
-    result = dtrain("run", *JOB, f"run.dir={tmp_path / 'run'}", extra_env=variables, timeout=60)
+def test_an_impossible_environment_is_refused_at_once(cli, tmp_path, variables, message):
+    result = cli("run", *JOB, f"run.dir={tmp_path / 'run'}", extra_env=variables)
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("dtrain: error: ") and message in lines[0], lines[0]
