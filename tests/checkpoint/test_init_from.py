@@ -194,10 +194,10 @@ def assert_one_line(result, message: str, run_dir: Path) -> None:
     assert not run_dir.exists()
 
 
-def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path):
+def test_weights_that_do_not_fit_are_refused_in_one_line(cli, first, tokens, tmp_path):
     weights = first / "model.safetensors"
     # A built-in model: at launch, from the file's header and the model built on the meta device.
-    result = dtrain(*job(tokens, tmp_path / "r", "model.options={n_layer = 3, n_head = 2, n_embd = 16}",
+    result = cli(*job(tokens, tmp_path / "r", "model.options={n_layer = 3, n_head = 2, n_embd = 16}",
                          "training.max_steps=1", f"model.init_from={weights}"))  # fmt: skip
     message = (
         f"model.init_from = '{weights}' does not fit the model: missing h.2.ln_1.weight, h.2.attn.c_attn.weight, "
@@ -217,7 +217,7 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path
     # Integers where the model holds floats (a file of token ids, a quantized export): never cast and trained.
     ints = tmp_path / "ints.safetensors"
     save_file({name: t.to(torch.int32) for name, t in load_weights(weights).items()}, ints)
-    result = dtrain(*job(tokens, tmp_path / "r", OPTIONS, "training.max_steps=1", f"model.init_from={ints}"))
+    result = cli(*job(tokens, tmp_path / "r", OPTIONS, "training.max_steps=1", f"model.init_from={ints}"))
     message = f"model.init_from = '{ints}' holds wte.weight as I32 and the model's is floating point"
     assert_one_line(result, message, tmp_path / "r")
 
@@ -237,14 +237,14 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(first, tokens, tmp_path
         ),
     ],
 )
-def test_paths_that_hold_no_weights_are_refused_at_launch(first, tokens, tmp_path, setting, message):
+def test_paths_that_hold_no_weights_are_refused_at_launch(cli, first, tokens, tmp_path, setting, message):
     fill = {"tmp": tmp_path, "tokens": tokens, "weights": first / "model.safetensors"}
     for folder in ("small", "config"):  # config.json alone, or with its weights
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100}))
     save_file({"wte.weight": torch.zeros(100, 8)}, tmp_path / "small" / "model.safetensors")
     run_dir = first if "overwrite" in setting else tmp_path / "r"
-    result = dtrain(*job(tokens, run_dir, OPTIONS, *setting.format(**fill).split()))
+    result = cli(*job(tokens, run_dir, OPTIONS, *setting.format(**fill).split()))
     assert_one_line(result, message.format(**fill), tmp_path / "r")
     assert (first / "model.safetensors").is_file()
 
