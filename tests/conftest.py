@@ -125,3 +125,23 @@ def cli(capfd, monkeypatch):
         return subprocess.CompletedProcess(["dtrain", *args], status, out, err)
 
     return call
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """A warm pair of workers for `dtrain run ... --nproc 2` jobs whose outputs a test reads (tests/pool.py)."""
+    from pool import Pool
+
+    workers = Pool(2)
+    yield workers
+    workers.stop()
+
+
+@pytest.fixture(scope="session")
+def solo():
+    """A warm process for `dtrain run ...` jobs of one process whose outputs a test reads (tests/pool.py)."""
+    from pool import Pool
+
+    worker = Pool(1)
+    yield worker
+    worker.stop()

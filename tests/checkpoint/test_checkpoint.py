@@ -31,8 +31,11 @@ JOB = [
 MODEL = "model.options={hidden_size = 32%s}"  # 400 samples, 200 a rank: 13 steps an epoch, 39 in all
 
 
-def run_job(run_dir, *extra, nproc=2, model_extra=""):
-    return dtrain("run", *JOB, MODEL % model_extra, "--nproc", str(nproc), f"run.dir={run_dir}", *extra)
+def run_job(run_dir, *extra, nproc=2, model_extra="", on=None):
+    """The job as `dtrain run` runs it; `on` the warm workers (the pool or solo fixture) where the test reads
+    what the run wrote rather than proves the launcher."""
+    start = on.run if on is not None else dtrain
+    return start("run", *JOB, MODEL % model_extra, "--nproc", str(nproc), f"run.dir={run_dir}", *extra)
 
 
 def launcher_refuses(cli, run_dir, *extra, nproc=2):
@@ -48,19 +51,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(pool, tmp_path_factory):
     """The job run start to finish without interruption."""
     run_dir = tmp_path_factory.mktemp("reference")
-    ok(run_job(run_dir))
+    ok(run_job(run_dir, on=pool))
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory):
+def checkpointed(pool, tmp_path_factory):
     """The same job with a checkpoint every 10 steps and the default checkpoint.keep (3): step-10 is
     written, then pruned; step-20, -30, -39 are kept."""
     run_dir = tmp_path_factory.mktemp("checkpointed")
-    ok(run_job(run_dir, "checkpoint.every_steps=10"))
+    ok(run_job(run_dir, "checkpoint.every_steps=10", on=pool))
     return run_dir
 
 
@@ -89,13 +92,15 @@ def test_stop_and_resume_is_bitwise_equal_in_every_situation(tmp_path):
         assert result["rerun"] == [result["total_steps"], 0], name
 
 
-def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
+def test_a_finished_run_extended_by_a_rerun_really_trains_on(solo, tmp_path):
     """Rerun with training.epochs raised: the new config governs — the cosine schedule is rebuilt for
     the longer run (the restored one ended at learning rate 0) and the loss keeps falling."""
-    ok(run_job(tmp_path, "training.epochs=1", "checkpoint.every_steps=5", nproc=1))
+    ok(run_job(tmp_path, "training.epochs=1", "checkpoint.every_steps=5", nproc=1, on=solo))
     first = train_lines(tmp_path)
     assert first[-1]["step"] == 25 and first[-1]["lr"] < 0.01  # cosine: the end of the schedule
-    extended = ok(run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", "optimizer.momentum=0.5", nproc=1))
+    extended = ok(
+        run_job(tmp_path, "training.epochs=3", "checkpoint.every_steps=5", "optimizer.momentum=0.5", nproc=1, on=solo)
+    )
     assert re.search(
         r"^the config changed since that checkpoint \(steps 25 → 75, optimizer.momentum 0.9 → 0.5\): "
         r"this run follows it from step 25, the learning-rate schedule rebuilt for its plan$",
@@ -110,7 +115,7 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
     assert sum(m["loss"] for m in later[-10:]) < sum(m["loss"] for m in first[-10:])
     # What cannot be honoured is refused: a plan shorter than the run already is.
     refused(
-        run_job(tmp_path, "training.epochs=1", nproc=1),
+        run_job(tmp_path, "training.epochs=1", nproc=1, on=solo),
         "is at step 75 and this config plans 25 steps (training.epochs=1, training.max_steps=0); raise "
         "them to continue that run, or start a new run.dir",
     )
@@ -123,7 +128,7 @@ def test_a_finished_run_extended_by_a_rerun_really_trains_on(tmp_path):
         ("run.seed=7", "run.seed = 0 there and 7 here: the data order of the epoch in progress"),
         ("data.num_samples=600", "training samples = 400 there and 480 here"),
     ):
-        refused(run_job(tmp_path, "training.epochs=4", change, nproc=1), fragment)
+        refused(run_job(tmp_path, "training.epochs=4", change, nproc=1, on=solo), fragment)
     assert [m["step"] for m in train_lines(tmp_path)][-1] == 75  # nothing trained, nothing lost
 
 
@@ -137,43 +142,45 @@ def test_checkpoints_are_kept_k_and_sealed(checkpointed, reference):
     assert_same_weights(reference, checkpointed)  # checkpointing changes nothing
 
 
-def test_resume_from_another_runs_checkpoint_reads_it_where_it_is(checkpointed, reference, tmp_path):
+def test_resume_from_another_runs_checkpoint_reads_it_where_it_is(pool, checkpointed, reference, tmp_path):
     """--resume-from a step-N folder of another run: a new run.dir goes on from it and ends bitwise where the
     uninterrupted run ended; the other run's checkpoints stay as they were. A rerun then continues the new
     run.dir's own checkpoint, newer than the one given."""
     given = checkpointed / "checkpoints" / "step-20"
     before = {p: p.stat().st_mtime_ns for p in checkpointed.rglob("*")}
     branch = tmp_path / "branch"
-    resumed = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10"))
+    resumed = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10", on=pool))
     assert re.search(rf"^resumed from {re.escape(str(given))} \(step 20 of 39, epoch 2 of 3\)$", resumed.stderr, re.M)
     assert_same_weights(reference, branch)
     assert [c.step for c in CheckpointStore(branch).complete()] == [30, 39]
     assert {p: p.stat().st_mtime_ns for p in checkpointed.rglob("*")} == before  # read, never written
     assert [m["step"] for m in train_lines(branch)] == list(range(21, 40))
-    rerun = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10"))
+    rerun = ok(run_job(branch, "--resume-from", str(given), "checkpoint.every_steps=10", on=pool))
     assert "is already complete (step 39 of 39" in rerun.stderr  # its own step-39 wins: nothing to train
 
 
-def test_resume_from_what_is_not_a_usable_checkpoint_is_one_line(checkpointed, tmp_path):
-    refused(run_job(tmp_path / "a", "--resume-from", str(tmp_path / "nowhere")), "nowhere does not exist")
-    refused(run_job(tmp_path / "a", "--resume-from", str(checkpointed / "metrics.jsonl")), "is not a checkpoint")
+def test_resume_from_what_is_not_a_usable_checkpoint_is_one_line(pool, checkpointed, tmp_path):
+    refused(run_job(tmp_path / "a", "--resume-from", str(tmp_path / "nowhere"), on=pool), "nowhere does not exist")
+    refused(
+        run_job(tmp_path / "a", "--resume-from", str(checkpointed / "metrics.jsonl"), on=pool), "is not a checkpoint"
+    )
     damaged = copy_run(checkpointed, tmp_path / "damaged")
     target = damaged / "checkpoints" / "step-30" / "state" / "__0_0.distcp"
     target.write_bytes(target.read_bytes()[:-10])
     refused(
-        run_job(tmp_path / "b", "--resume-from", str(damaged / "checkpoints" / "step-30")),
+        run_job(tmp_path / "b", "--resume-from", str(damaged / "checkpoints" / "step-30"), on=pool),
         f"--resume-from {damaged / 'checkpoints' / 'step-30'}: checkpoint step-30 is damaged",
         "give another checkpoint",
     )
     assert (damaged / "checkpoints" / "step-30").is_dir()  # never deleted, nor advised to be
     own = copy_run(checkpointed, tmp_path / "own")
     refused(
-        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20")),
+        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20"), on=pool),
         "is a checkpoint of this run.dir older than its newest, step-39",
     )
     # run.overwrite would delete the checkpoint given (and every other) before any worker read it.
     refused(
-        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20"), "run.overwrite=true"),
+        run_job(own, "--resume-from", str(own / "checkpoints" / "step-20"), "run.overwrite=true", on=pool),
         f"--resume-from {own / 'checkpoints' / 'step-20'} lies in run.dir {own}, which run.overwrite=true replaces",
     )
     assert [c.step for c in CheckpointStore(own).complete()] == [20, 30, 39]  # nothing deleted
@@ -238,7 +245,7 @@ def logged_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(reference, tmp_path):
+def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(pool, reference, tmp_path):
     proc = start_slow_job(tmp_path)
     wait_for(lambda: logged_steps(tmp_path) >= 5, what="training to start")
     proc.send_signal(signal.SIGTERM)  # to the launcher, as SLURM or Kubernetes would
@@ -248,7 +255,7 @@ def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(reference, tmp_pa
     assert len(complete) == 1 and 5 <= complete[0].step < 39
     assert f"stopped by SIGTERM at step {complete[0].step}" in err
     assert not (tmp_path / "model.safetensors").exists()
-    resumed = ok(run_job(tmp_path))  # the same command (without the slow-down)
+    resumed = ok(run_job(tmp_path, on=pool))  # the same command (without the slow-down)
     assert f"resumed from {complete[0].path}" in resumed.stderr
     assert_same_weights(reference, tmp_path)
     # metrics.jsonl reads as one run: every step once.
@@ -259,14 +266,14 @@ FSDP = "distributed.strategy=fsdp"
 
 
 @pytest.fixture(scope="module")
-def reference_fsdp(tmp_path_factory):
+def reference_fsdp(pool, tmp_path_factory):
     """The job run start to finish under FSDP."""
     run_dir = tmp_path_factory.mktemp("reference_fsdp")
-    ok(run_job(run_dir, FSDP))
+    ok(run_job(run_dir, FSDP, on=pool))
     return run_dir
 
 
-def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(reference_fsdp, tmp_path):
+def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(pool, reference_fsdp, tmp_path):
     """As under DDP: SIGTERM writes one (sharded) checkpoint and asks to be requeued, the same command
     resumes; a worker killed by SIGKILL restarts the group from the newest checkpoint; both end with
     the weights of the run that was never interrupted."""
@@ -283,7 +290,7 @@ def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(r
         "__0_0.distcp",
         "__1_0.distcp",
     ]  # a shard each
-    resumed = ok(run_job(stopped, FSDP))
+    resumed = ok(run_job(stopped, FSDP, on=pool))
     assert f"resumed from {complete[0].path}" in resumed.stderr
     assert_same_weights(reference_fsdp, stopped)
 
@@ -360,7 +367,9 @@ def refused(result, *fragments):
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
-def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(cli, checkpointed, reference, tmp_path, damage):
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(
+    cli, pool, checkpointed, reference, tmp_path, damage
+):
     run_dir = copy_run(checkpointed, tmp_path / "run")
     target = run_dir / "checkpoints" / "step-39" / "state" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
@@ -379,7 +388,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_still_loads(cli, che
         return
     # The fix the message gives works: step-30 loads, and the run ends bitwise where it should.
     shutil.rmtree(run_dir / "checkpoints" / "step-39")
-    resumed = ok(run_job(run_dir, "--resume"))
+    resumed = ok(run_job(run_dir, "--resume", on=pool))
     assert re.search(r"^resumed from \S+/checkpoints/step-30 \(step 30 of 39, epoch 3 of 3\)$", resumed.stderr, re.M)
     assert_same_weights(reference, run_dir)
 
@@ -425,7 +434,7 @@ def test_resume_without_checkpoints_and_fresh_start_over_checkpoints_are_refused
     )
 
 
-def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(reference, tmp_path):
+def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(pool, reference, tmp_path):
     slower = ", step_sleep_s = 0.3"  # about 12 s of training: the workers would outlive the check by far
     proc = subprocess.Popen(
         [
@@ -452,7 +461,7 @@ def test_workers_die_with_a_launcher_killed_by_sigkill_and_a_rerun_resumes(refer
     proc.wait(timeout=TIMEOUT)
     wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=3, what="the workers to die with it")
     # Nothing holds run.dir: the same command continues from the newest checkpoint and ends as one run.
-    resumed = ok(run_job(tmp_path, "checkpoint.every_steps=5"))
+    resumed = ok(run_job(tmp_path, "checkpoint.every_steps=5", on=pool))
     step = int(re.search(r"^resumed from \S+/checkpoints/step-(\d+) \(step \d+ of 39", resumed.stderr, re.M)[1])
     assert 5 <= step < 39  # mid-run: the workers did not go on to finish it
     assert_same_weights(reference, tmp_path)
@@ -542,7 +551,7 @@ def test_preempt_grace_s_bounds_the_wait_after_sigterm(tmp_path):
     assert CheckpointStore(tmp_path).complete() == []  # the step never finished: no checkpoint
 
 
-def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(reference, tmp_path):
+def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(pool, reference, tmp_path):
     """The end of a run is its most valuable moment: when model.safetensors cannot be written, the
     trained state goes into a checkpoint, the one line says where, and rerunning writes the weights."""
     proc = start_slow_job(tmp_path)  # no checkpoint.every_steps: nothing saved along the way
@@ -557,7 +566,7 @@ def test_a_directory_in_the_way_of_the_final_weights_keeps_the_trained_state(ref
     )
     assert err.count("dtrain: error:") == 1
     (tmp_path / "model.safetensors").rmdir()
-    rerun = ok(run_job(tmp_path, model_extra=SLOW))
+    rerun = ok(run_job(tmp_path, model_extra=SLOW, on=pool))
     assert "(step 39 of 39, epoch 3 of 3): the run is already complete" in rerun.stderr
     assert_same_weights(reference, tmp_path)
 

@@ -1,0 +1,97 @@
+"""Jobs of `dtrain run ... --nproc 2` on a warm pair of workers (tests/workers/pool_worker.py), for the
+tests that read what a run wrote (its metrics, weights, checkpoints, a resume's result) rather than
+prove the launcher: the same worker code path on the same 2-process gloo group under dtrain's launcher,
+without a launcher, two Pythons and `import torch` per job. Tests of the launcher itself, of failures,
+of signals and of what is said once per job keep `helpers.dtrain`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from helpers import ROOT, TIMEOUT, WORKERS, env
+
+
+class Pool:
+    """`pool.run("run", CONFIG, *overrides, "--nproc", "2")`: what `helpers.dtrain` returns for that job
+    (exit status, then rank 0's and rank 1's output one after the other), run on the warm workers. A
+    pool of 1 (`Pool(1)`) takes the jobs of one process: no launcher, no group."""
+
+    def __init__(self, nproc: int = 2) -> None:
+        self.nproc = nproc
+        self.proc: subprocess.Popen | None = None
+        self.control: Path | None = None
+        self.n = 0
+
+    def _start(self) -> None:
+        self.control = Path(tempfile.mkdtemp(prefix="dtrain-pool-"))
+        self.n = 0
+        self.log = open(self.control / "pool.log", "w")  # noqa: SIM115 — open while the pool lives
+        launch = [sys.executable, "-m", "dtrain", "launch", "--nproc", "2"] if self.nproc == 2 else [sys.executable]
+        self.proc = subprocess.Popen(
+            [*launch, str(WORKERS / "pool_worker.py"), str(self.control)],
+            cwd=ROOT,
+            env=env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def run(self, *args: str, cwd: Path | None = None, extra_env: dict[str, str] | None = None):
+        argv = list(args)
+        at = argv.index("--nproc") if "--nproc" in argv else None
+        assert argv[:1] == ["run"] and (argv[at + 1] if at is not None else "1") == str(self.nproc), argv
+        if at is not None:
+            del argv[at : at + 2]  # the launcher's part is given it back
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.control is not None
+        n, self.n = self.n, self.n + 1
+        job = {"argv": argv, "cwd": str(cwd or ROOT), "env": extra_env or {}}
+        staged = self.control / f"job-{n}.tmp"
+        staged.write_text(json.dumps(job))
+        staged.rename(self.control / f"job-{n}.json")
+        ranks = range(self.nproc)
+        results = [self.control / f"result-{n}-rank{r}.json" for r in ranks]
+        deadline = time.monotonic() + TIMEOUT
+        while not all(r.exists() for r in results):
+            if self.proc.poll() is not None and not all(r.exists() for r in results):
+                raise AssertionError(f"the pool ended during job {argv}:\n{self._said()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"job {argv} did not end within {TIMEOUT} s on the pool")
+            time.sleep(0.01)
+        said = [json.loads(r.read_text()) for r in results]
+        out = "".join((self.control / f"out-{n}-rank{r}.txt").read_text() for r in ranks)
+        err = "".join((self.control / f"err-{n}-rank{r}.txt").read_text() for r in ranks)
+        if any(s["broken"] for s in said):  # the workers leave after such a failure; the next job starts a pool
+            self._wait_or_kill()
+        code = next((s["code"] for s in said if s["code"]), 0)
+        return subprocess.CompletedProcess(["dtrain", *args], code, out, err)
+
+    def _said(self) -> str:
+        self.log.flush()
+        return (self.control / "pool.log").read_text() if self.control else ""
+
+    def _wait_or_kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        assert self.control is not None
+        (self.control / f"job-{self.n}.json").write_text(json.dumps({"stop": True}))
+        self._wait_or_kill()
