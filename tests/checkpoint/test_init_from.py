@@ -36,10 +36,10 @@ def tokens(json_byte_tokens):
 
 
 @pytest.fixture(scope="module")
-def first(tokens, tmp_path_factory):
+def first(pool, tokens, tmp_path_factory):
     """A built-in GPT trained 20 steps (checkpoints at 10 and 20), whose weights the others start from."""
     run_dir = tmp_path_factory.mktemp("first") / "run"
-    ok(dtrain(*job(tokens, run_dir, OPTIONS, "training.max_steps=20", "checkpoint.every_steps=10")))
+    ok(pool.run(*job(tokens, run_dir, OPTIONS, "training.max_steps=20", "checkpoint.every_steps=10")))
     return run_dir
 
 
@@ -64,10 +64,10 @@ def gpt_loss(tokens: Path, state: dict[str, torch.Tensor], step: int = 1) -> flo
     return first_batch_loss(tokens, lambda x, _y: model(x), step)
 
 
-def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint_a_resumed_one_not(first, tokens, tmp_path):
+def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint_a_resumed_one_not(pool, first, tokens, tmp_path):
     ended = train_lines(first)
     # FSDP: each rank reads its rows of the file.
-    ok(dtrain(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
+    ok(pool.run(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
                    f"model.init_from={first / 'model.safetensors'}")))  # fmt: skip
     began = train_lines(tmp_path / "b")[0]["loss"]
     assert began == pytest.approx(gpt_loss(tokens, load_weights(first / "model.safetensors")), abs=1e-4)
@@ -76,11 +76,11 @@ def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint_a_resumed
     # DDP from a checkpoint folder: DCP reads it, whatever wrote it. Stopped after a step...
     step10, run_c = first / "checkpoints" / "step-10", tmp_path / "c"
     c_job = job(tokens, run_c, OPTIONS, "training.max_steps=2")
-    ok(dtrain(*c_job, "training.stop_at_step=1", f"model.init_from={step10}"))
+    ok(pool.run(*c_job, "training.stop_at_step=1", f"model.init_from={step10}"))
     read_model_weights(step10, state := gpt().state_dict())
     assert train_lines(run_c)[0]["loss"] == pytest.approx(gpt_loss(tokens, state), abs=1e-4)
     # ... and resumed: its checkpoint governs, and model.init_from (other weights now) is not read.
-    ok(dtrain(*c_job, f"model.init_from={first / 'model.safetensors'}"))
+    ok(pool.run(*c_job, f"model.init_from={first / 'model.safetensors'}"))
     read_model_weights(run_c / "checkpoints" / "step-1", state := gpt().state_dict())
     assert [line["step"] for line in train_lines(run_c)] == [1, 2]
     assert train_lines(run_c)[1]["loss"] == pytest.approx(gpt_loss(tokens, state, step=2), abs=1e-4)
@@ -144,12 +144,12 @@ NO_DROPOUT = "model.options={resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0
     [("gpt2", "hf-causal-lm", NO_DROPOUT, "ddp"), ("llama", "hf", "model.options={}", "fsdp")],
     ids=["gpt2", "llama"],
 )
-def test_a_hugging_face_folder_trains_from_its_own_weights(tokens, tmp_path, kind, name, options, strategy):
+def test_a_hugging_face_folder_trains_from_its_own_weights(pool, tokens, tmp_path, kind, name, options, strategy):
     from transformers import AutoModelForCausalLM
 
     tiny_hf(kind, tmp_path / "hf")
     run_dir = tmp_path / "run"
-    ok(dtrain(*job(tokens, run_dir, f"model.name={name}:{tmp_path / 'hf'}", options,
+    ok(pool.run(*job(tokens, run_dir, f"model.name={name}:{tmp_path / 'hf'}", options,
                    "training.max_steps=2", f"distributed.strategy={strategy}")))  # fmt: skip
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
 

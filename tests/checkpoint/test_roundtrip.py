@@ -28,18 +28,18 @@ tokens = test_init_from.tokens  # the same token data (a fixture)
 
 
 @pytest.fixture(scope="module")
-def exported(tokens, tmp_path_factory):
+def exported(pool, tokens, tmp_path_factory):
     """The built-in GPT trained 20 steps on 2 processes and exported at its end (run.dir/hf, GPT-2)."""
     run_dir = tmp_path_factory.mktemp("exported") / "run"
-    ok(dtrain(*job(tokens, run_dir, OPTIONS, "training.max_steps=20", "checkpoint.export=hf")))
+    ok(pool.run(*job(tokens, run_dir, OPTIONS, "training.max_steps=20", "checkpoint.export=hf")))
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def fine_tuned(exported, tokens, tmp_path_factory):
+def fine_tuned(pool, exported, tokens, tmp_path_factory):
     """The export fine-tuned as a Hugging Face model for 2 steps, and exported in its turn."""
     run_dir = tmp_path_factory.mktemp("fine_tuned") / "run"
-    ok(dtrain(*job(tokens, run_dir, f"model.name=hf-causal-lm:{exported / 'hf'}", "model.options={}",
+    ok(pool.run(*job(tokens, run_dir, f"model.name=hf-causal-lm:{exported / 'hf'}", "model.options={}",
                    "training.max_steps=2", "checkpoint.export=hf")))  # fmt: skip
     return run_dir
 
@@ -69,11 +69,11 @@ def test_a_fine_tuned_export_starts_where_its_run_ended_and_exports_again(export
     assert not all(torch.equal(export.state_dict()[name], tensor) for name, tensor in trained.items())
 
 
-def test_the_built_in_gpt_continues_from_its_gpt2_export_under_fsdp(exported, tokens, tmp_path):
+def test_the_built_in_gpt_continues_from_its_gpt2_export_under_fsdp(pool, exported, tokens, tmp_path):
     """GPT-2's Conv1D weights are the built-in GPT's transposed: under FSDP each rank reads its rows of
     the GPT's tensor, the file's columns. c_proj is square: read untransposed it would fit, and be wrong."""
-    ok(dtrain(*job(tokens, tmp_path / "run", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
-                   f"model.init_from={exported / 'hf'}")))  # fmt: skip
+    ok(pool.run(*job(tokens, tmp_path / "run", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
+                     f"model.init_from={exported / 'hf'}")))  # fmt: skip
     began = train_lines(tmp_path / "run")[0]["loss"]
     assert began == pytest.approx(gpt_loss(tokens, load_weights(exported / "model.safetensors")), abs=1e-4)
 

@@ -15,10 +15,10 @@ F1 = "training.eval_metrics=config_metrics:macro_f1"  # a whole-split metric nam
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(solo, tmp_path_factory):
     """A 30-step run on one process: checkpoints step-20, -25, -30 kept; eval lines every 5 steps."""
     run_dir = tmp_path_factory.mktemp("eval-cmd") / "run"
-    console = ok(dtrain("run", *SMALL_JOB, *EVERY_5, F1, f"run.dir={run_dir}")).stderr
+    console = ok(solo.run("run", *SMALL_JOB, *EVERY_5, F1, f"run.dir={run_dir}")).stderr
     (run_dir.parent / "console.txt").write_text(console)  # beside run.dir: the run's own lines
     return run_dir, {line["step"]: line for line in eval_lines(run_dir)}
 
@@ -120,10 +120,10 @@ def test_a_damaged_checkpoint_is_named_in_one_line(cli, trained, tmp_path):
     assert lines[0].startswith(f"dtrain: error: checkpoint step-30 is damaged: {shard} is truncated"), lines[0]
 
 
-def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(tmp_path):
+def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(pool, tmp_path):
     run_dir = tmp_path / "fsdp"
     fsdp = ["distributed.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]
-    ok(dtrain("run", *SMALL_JOB, *EVERY_5, *fsdp, f"run.dir={run_dir}"))
+    ok(pool.run("run", *SMALL_JOB, *EVERY_5, *fsdp, f"run.dir={run_dir}"))
     logged = {line["step"]: line for line in eval_lines(run_dir)}
     two = evaluated(run_dir, tmp_path / "two.json", "--step", "5", "--nproc", "2")
     assert {k: two[k] for k in logged_metrics(logged[5])} == logged_metrics(logged[5])  # its world size: exact

@@ -217,7 +217,7 @@ def test_windows_across_shards_match_the_files(tmp_path):
     assert x.dtype == torch.int64 and windows[12][1].tolist() == list(range(1031, 1041))
 
 
-def test_a_held_out_split_shorter_than_one_window_is_said_once(tmp_path):
+def test_a_held_out_split_shorter_than_one_window_is_said_once(pool, tmp_path):
     """20 held-out tokens and data.block_size 32: not one eval window. The run trains (2 processes) and
     says once, at the start, that it does not evaluate and why; no eval line is written."""
     rng = np.random.default_rng(0)
@@ -228,7 +228,7 @@ def test_a_held_out_split_shorter_than_one_window_is_said_once(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "bytes", "splits": splits}))
     run_dir = tmp_path / "run"
     result = ok(
-        dtrain("run", *GPT, f"data.path={tmp_path}", f"run.dir={run_dir}", "training.max_steps=2", "--nproc", "2")
+        pool.run("run", *GPT, f"data.path={tmp_path}", f"run.dir={run_dir}", "training.max_steps=2", "--nproc", "2")
     )
     notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
     assert notes == [
@@ -378,21 +378,21 @@ def test_the_built_in_gpt_equals_a_hand_written_nanogpt_loop(prepared, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def gpt_run(prepared, tmp_path_factory):
+def gpt_run(pool, prepared, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gpt_run")
-    ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={run_dir}"))
+    ok(pool.run("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={run_dir}"))
     return run_dir
 
 
-def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(prepared, gpt_run, tmp_path):
+def test_a_gpt_run_logs_tokens_per_s_and_perplexity_and_resumes_exactly(pool, prepared, gpt_run, tmp_path):
     lines = train_lines(gpt_run)
     assert all(line["tokens_per_s"] == pytest.approx(line["samples_per_s"] * 32) for line in lines)
     assert lines[-1]["loss"] < lines[0]["loss"]
     final = [json.loads(line) for line in (gpt_run / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["eval_perplexity"] == pytest.approx(np.exp(final["eval_loss"]))
     # Stopped mid-epoch at step 5, resumed: bitwise the same weights as the run that never stopped.
-    ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}", "training.stop_at_step=5"))
-    resumed = ok(dtrain("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}"))
+    ok(pool.run("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}", "training.stop_at_step=5"))
+    resumed = ok(pool.run("run", *GPT, f"data.path={prepared}", "--nproc", "2", f"run.dir={tmp_path}"))
     assert re.search(r"^resumed from \S+/checkpoints/step-5 \(step 5 of 12, epoch 1 of 1\)$", resumed.stderr, re.M)
     a, b = weights(gpt_run), weights(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -463,14 +463,14 @@ def test_temperature_0_takes_the_likeliest_token_whatever_the_seed(cli, gpt_run)
     assert samples["0", "0"] == samples["0", "1"] and samples["1", "0"] != samples["1", "1"]
 
 
-def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(cli, prepared, gpt_run, tmp_path):
+def test_generate_samples_the_newest_checkpoint_of_a_run_not_finished(cli, pool, prepared, gpt_run, tmp_path):
     """A run trained on from step 12 to 16 (its checkpoint step-16 sealed after the step-12 weights it
     started from): generate samples step 16's weights, says so, and gives the text those weights give
     once they are the run's model.safetensors."""
     run_dir = tmp_path / "run"
     shutil.copytree(gpt_run, run_dir)
     more = [*GPT, f"data.path={prepared}", f"run.dir={run_dir}", "training.max_steps=16", "optimizer.lr=0.1"]
-    ok(dtrain("run", *more, "--nproc", "2"))
+    ok(pool.run("run", *more, "--nproc", "2"))
     sample = ["--prompt", "def", "--tokens", "40", "--temperature", "1", "--top-k", "0"]  # seeded: one text per state
     at_12, at_16 = (ok(cli("generate", str(d), *sample)).stdout for d in (gpt_run, run_dir))
     assert at_12 != at_16  # four steps at a high rate changed the sample: the test tells the states apart

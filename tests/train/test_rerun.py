@@ -1,5 +1,6 @@
 """A rerun says what it will do: the lines of a run stopped, resumed and rerun once finished, exactly as
-the console prints them — real `dtrain run --nproc 2` (torchrun, gloo), real checkpoints."""
+the console prints them — `dtrain run --nproc 2` on the warm workers (tests/pool.py: the launcher's part
+and the workers' under torchrun, gloo), real checkpoints."""
 
 import re
 
@@ -23,11 +24,11 @@ def step_lines(result):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(pool, tmp_path_factory):
     """A 2-epoch run stopped in its 2nd epoch (step 12), then resumed to its end: both runs' output."""
     run_dir = tmp_path_factory.mktemp("finished")
-    stopped = ok(dtrain("run", *JOB, f"run.dir={run_dir}", "training.stop_at_step=12"))
-    resumed = ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
+    stopped = ok(pool.run("run", *JOB, f"run.dir={run_dir}", "training.stop_at_step=12"))
+    resumed = ok(pool.run("run", *JOB, f"run.dir={run_dir}"))
     return run_dir, stopped, resumed
 
 
@@ -42,15 +43,15 @@ def test_train_eval_and_resume_lines_count_epochs_alike(finished):
     assert [(m["step"], m["epoch"]) for m in eval_lines(run_dir)] == [(8, 1), (16, 2)]
 
 
-def test_a_finished_run_rerun_says_it_is_complete_whatever_only_training_would_use(finished):
+def test_a_finished_run_rerun_says_it_is_complete_whatever_only_training_would_use(pool, finished):
     """The same command, --resume, or a data.batch_size whose global batch no accumulation makes up (the
     checkpoint's is 32): one line, exit 0, no worker started. Asking for more steps with that batch size
     is still refused, in the one line saying which batch sizes can continue."""
     run_dir = finished[0]
     complete = f"dtrain: run.dir {run_dir} is already complete (step 16 of 16, epoch 2 of 2); {DONE}"
     for rerun in ([], ["--resume"], ["data.batch_size=7"], ["data.batch_size=7", "--resume"]):
-        assert lines_of(ok(dtrain("run", *JOB, f"run.dir={run_dir}", *rerun))) == [complete], rerun
-    more = dtrain("run", *JOB, f"run.dir={run_dir}", "data.batch_size=7", "training.epochs=3")
+        assert lines_of(ok(pool.run("run", *JOB, f"run.dir={run_dir}", *rerun))) == [complete], rerun
+    more = pool.run("run", *JOB, f"run.dir={run_dir}", "data.batch_size=7", "training.epochs=3")
     assert more.returncode == 2 and lines_of(more) == [
         "dtrain: error: checkpoint step-16 trained on global batches of 32 samples (2 processes × 16); 2 processes "
         "with data.batch_size=7 cannot make that up in whole accumulation steps: set data.batch_size to a divisor "
@@ -59,23 +60,23 @@ def test_a_finished_run_rerun_says_it_is_complete_whatever_only_training_would_u
     assert [m["step"] for m in train_lines(run_dir)] == [5, 10, 15, 16]  # nothing trained, nothing logged
 
 
-def test_a_finished_run_without_its_weights_resumes_to_write_them_and_says_so(finished, tmp_path):
+def test_a_finished_run_without_its_weights_resumes_to_write_them_and_says_so(pool, finished, tmp_path):
     """The launcher's shortcut needs the weights there: without them the workers resume, write them, and
     the resume line says the run is complete."""
     run_dir = finished[0]
     kept = weights(run_dir)
     (run_dir / "model.safetensors").unlink()
-    again = ok(dtrain("run", *JOB, f"run.dir={run_dir}"))
+    again = ok(pool.run("run", *JOB, f"run.dir={run_dir}"))
     assert lines_of(again)[-1] == (
         f"resumed from {run_dir}/checkpoints/step-16 (step 16 of 16, epoch 2 of 2): the run is already complete; {DONE}"
     )
     assert weights(run_dir).keys() == kept.keys()
 
 
-def test_a_runs_config_toml_says_a_rerun_command_that_works(tmp_path):
+def test_a_runs_config_toml_says_a_rerun_command_that_works(solo, tmp_path):
     """The first line of config.toml says how to rerun the run; followed as written it trains the same job
     (run.dir's own config.toml is never the config being read, so the rerun goes to a new folder)."""
-    ok(dtrain("run", *SMALL_JOB, "training.epochs=1", f"run.dir={tmp_path / 'first'}"))
+    ok(solo.run("run", *SMALL_JOB, "training.epochs=1", f"run.dir={tmp_path / 'first'}"))
     header = (tmp_path / "first" / "config.toml").read_text().splitlines()[0]
     command = re.fullmatch(r"# The resolved config of this run, written by dtrain\. Rerun it with: dtrain (.*)", header)
     assert command, header
