@@ -138,6 +138,20 @@ def pool():
 
 
 @pytest.fixture(scope="session")
+def warm(pool, solo):
+    """`warm("run", ...)`: the job on the warm workers of its --nproc (2: pool, 1: solo), as `helpers.dtrain`
+    would run it; a job of other sizes (4, 8 processes) is launched as usual."""
+    from helpers import dtrain
+    from pool import without_nproc
+
+    def run(*args: str, **kwargs):
+        nproc = without_nproc(args)[1]
+        return (pool if nproc == 2 else solo).run(*args, **kwargs) if nproc in (1, 2) else dtrain(*args, **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def solo():
     """A warm process for `dtrain run ...` jobs of one process whose outputs a test reads (tests/pool.py)."""
     from pool import Pool

@@ -19,6 +19,18 @@ from pathlib import Path
 from helpers import ROOT, TIMEOUT, WORKERS, env
 
 
+def without_nproc(args) -> tuple[list[str], int]:
+    """`args` without their --nproc flags (the launcher's part is given it back), and the number of
+    processes they ask for (the last --nproc wins, as on the command line; 1 without one)."""
+    argv, nproc, flags = [], 1, iter(args)
+    for arg in flags:
+        if arg == "--nproc":
+            nproc = int(next(flags))
+        else:
+            argv.append(arg)
+    return argv, nproc
+
+
 class Pool:
     """`pool.run("run", CONFIG, *overrides, "--nproc", "2")`: what `helpers.dtrain` returns for that job
     (exit status, then rank 0's and rank 1's output one after the other), run on the warm workers. A
@@ -45,11 +57,8 @@ class Pool:
         )
 
     def run(self, *args: str, cwd: Path | None = None, extra_env: dict[str, str] | None = None):
-        argv = list(args)
-        at = argv.index("--nproc") if "--nproc" in argv else None
-        assert argv[:1] == ["run"] and (argv[at + 1] if at is not None else "1") == str(self.nproc), argv
-        if at is not None:
-            del argv[at : at + 2]  # the launcher's part is given it back
+        argv, nproc = without_nproc(args)
+        assert argv[:1] == ["run"] and nproc == self.nproc, args
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         assert self.control is not None

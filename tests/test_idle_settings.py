@@ -107,11 +107,11 @@ def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def test_fsdp_over_one_data_parallel_process_is_said_to_shard_nothing(json_byte_tokens, tmp_path):
+def test_fsdp_over_one_data_parallel_process_is_said_to_shard_nothing(warm, json_byte_tokens, tmp_path):
     """tp 2 on 2 processes leaves one data-parallel process: FSDP has nothing to shard over, said once."""
     args = ["distributed.tp_size=2", "distributed.strategy=fsdp", "training.max_steps=1"]
     args += ["model.options={n_layer = 2, n_head = 2, n_embd = 32}"]
-    err = ok(dtrain(*gpt_on_tokens(json_byte_tokens, tmp_path / "run", *args, block=16))).stderr
+    err = ok(warm(*gpt_on_tokens(json_byte_tokens, tmp_path / "run", *args, block=16))).stderr
     note = (
         "note: distributed.strategy = fsdp shards over the data-parallel processes and this job has one "
         "(2 processes, each a tensor or pipeline part of one replica): it shards nothing"

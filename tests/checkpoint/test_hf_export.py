@@ -47,10 +47,10 @@ def prepared(json_bpe_tokens):
 
 
 @pytest.fixture(scope="module")
-def gpt_ddp(prepared, tmp_path_factory):
+def gpt_ddp(warm, prepared, tmp_path_factory):
     """The built-in GPT on 2 processes under DDP, exported at its end (checkpoint.export = hf)."""
     run_dir = tmp_path_factory.mktemp("gpt_ddp")
-    ok(run_dtrain("run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "checkpoint.export=hf", "--nproc", "2"))
+    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "checkpoint.export=hf", "--nproc", "2"))
     return run_dir
 
 
@@ -211,14 +211,14 @@ def test_the_byte_tokenizer_exports_as_the_same_bytes():
     assert theirs.token_to_id("<|endoftext|>") == ours.eot
 
 
-def test_what_cannot_be_exported_is_refused_in_one_line(cli, gpt_ddp, tmp_path):
+def test_what_cannot_be_exported_is_refused_in_one_line(warm, cli, gpt_ddp, tmp_path):
     def refused(*args: str) -> str:
         result = cli("export", *args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         return result.stderr.strip()
 
     mlp = tmp_path / "mlp"
-    ok(run_dtrain("run", *SMALL_JOB, f"run.dir={mlp}", "training.epochs=1"))
+    ok(warm("run", *SMALL_JOB, f"run.dir={mlp}", "training.epochs=1"))
     assert refused(str(mlp), "--format", "hf") == (
         f"dtrain: error: {mlp}: the run trained a Sequential: export needs the built-in gpt (model.name = gpt) "
         f"or a Hugging Face transformers model"

@@ -45,10 +45,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(warm, tmp_path_factory):
     """The job through dtrain's own launcher: what every other start must reproduce."""
     run_dir = tmp_path_factory.mktemp("reference")
-    ok(dtrain("run", *JOB, "--nproc", "2", f"run.dir={run_dir}"))
+    ok(warm("run", *JOB, "--nproc", "2", f"run.dir={run_dir}"))
     return run_dir
 
 

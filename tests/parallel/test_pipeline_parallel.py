@@ -52,10 +52,10 @@ def tokens(json_byte_tokens):
 
 
 @pytest.fixture(scope="module")
-def one_process(tokens, tmp_path_factory):
+def one_process(warm, tokens, tmp_path_factory):
     """The job on one process, start to finish: what every layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("pp-one") / "run"
-    ok(dtrain(*job(tokens, run_dir, nproc=1)))
+    ok(warm(*job(tokens, run_dir, nproc=1)))
     return run_dir
 
 
@@ -77,8 +77,8 @@ def assert_same_run(reference: Path, run_dir: Path, first_step: int = 1) -> None
     "schedule, bubble",
     [("gpipe", 1 / (ACCUM + 1)), ("1f1b", 1 / (ACCUM + 1)), ("interleaved_1f1b", 1 / (2 * ACCUM + 1))],
 )
-def test_two_stages_train_as_one_process_under_each_schedule(one_process, tokens, tmp_path, schedule, bubble):
-    result = ok(dtrain(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
+def test_two_stages_train_as_one_process_under_each_schedule(warm, one_process, tokens, tmp_path, schedule, bubble):
+    result = ok(warm(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
     assert_same_run(one_process, tmp_path)
     assert all(m["grad_norm"] > 0.3 for m in train_lines(one_process))  # clipped every step
     # The schedule's idle share, (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), on every step line.
@@ -87,18 +87,18 @@ def test_two_stages_train_as_one_process_under_each_schedule(one_process, tokens
     assert f"| pipeline bubble {bubble:.0%}" in result.stdout + result.stderr
 
 
-def test_a_pipeline_checkpoint_resumes_on_one_process_and_back(one_process, tokens, tmp_path):
+def test_a_pipeline_checkpoint_resumes_on_one_process_and_back(warm, one_process, tokens, tmp_path):
     """Stopped at step 3 under pp2, resumed on one process (and the other way round): the same run."""
-    ok(dtrain(*job(tokens, tmp_path / "a", "training.stop_at_step=3")))
-    resumed = ok(dtrain(*job(tokens, tmp_path / "a", nproc=1)))
+    ok(warm(*job(tokens, tmp_path / "a", "training.stop_at_step=3")))
+    resumed = ok(warm(*job(tokens, tmp_path / "a", nproc=1)))
     assert "resumed from" in resumed.stderr
     assert_same_run(one_process, tmp_path / "a")
-    ok(dtrain(*job(tokens, tmp_path / "b", "training.stop_at_step=3", nproc=1)))
-    ok(dtrain(*job(tokens, tmp_path / "b")))
+    ok(warm(*job(tokens, tmp_path / "b", "training.stop_at_step=3", nproc=1)))
+    ok(warm(*job(tokens, tmp_path / "b")))
     assert_same_run(one_process, tmp_path / "b")
 
 
-def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(tokens, tmp_path):
+def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(warm, tokens, tmp_path):
     """SIGTERM mid-run: one checkpoint, exit 75 (requeue me); the same command resumes and ends with the
     very weights of the run never stopped."""
     long = ["training.max_steps=60", "training.eval_every_steps=0", "checkpoint.every_steps=0"]
@@ -114,9 +114,9 @@ def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(toke
     assert proc.returncode == 75, err
     (stopped,) = CheckpointStore(run_dir).complete()
     assert 3 <= stopped.step < 60 and f"stopped by SIGTERM at step {stopped.step}" in err
-    assert f"resumed from {stopped.path}" in ok(dtrain(*args)).stderr
+    assert f"resumed from {stopped.path}" in ok(warm(*args)).stderr
     assert [m["step"] for m in train_lines(run_dir)] == list(range(1, 61))
-    ok(dtrain(*job(tokens, tmp_path / "whole", *long)))
+    ok(warm(*job(tokens, tmp_path / "whole", *long)))
     assert_weights_close(weights(tmp_path / "whole"), weights(run_dir), atol=0, rtol=0)
 
 
@@ -164,10 +164,10 @@ def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, t
         ),
     ],
 )
-def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(tokens, tmp_path, overrides, message):
+def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(cli, tokens, tmp_path, overrides, message):
     pp = 8 if "distributed.pp_size=8" in overrides else 2
     nproc = 2 * pp if "distributed.strategy=fsdp" in overrides else pp  # 2 data-parallel processes to shard over
-    result = dtrain(*job(tokens, tmp_path, *overrides, nproc=nproc, pp=pp))
+    result = cli(*job(tokens, tmp_path, *overrides, nproc=nproc, pp=pp))
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]
     assert not (tmp_path / "metrics.jsonl").exists()

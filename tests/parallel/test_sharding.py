@@ -207,9 +207,9 @@ def tokens(json_byte_tokens):
 
 
 @pytest.fixture(scope="module")
-def whole(tokens, tmp_path_factory):
+def whole(warm, tokens, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("whole")
-    ok(dtrain("run", *GPT, f"data.path={tokens}", "--nproc", "2", f"run.dir={run_dir}"))
+    ok(warm("run", *GPT, f"data.path={tokens}", "--nproc", "2", f"run.dir={run_dir}"))
     return run_dir
 
 

@@ -26,11 +26,11 @@ LAYOUTS = {"one": ("1",), "tp2": ("2", "distributed.tp_size=2"), "pp2": ("2", "d
 
 
 @pytest.fixture(scope="module")
-def runs(json_byte_tokens, tmp_path_factory):
+def runs(warm, json_byte_tokens, tmp_path_factory):
     """The same job on one process, under tp2 and under pp2 (one launch each)."""
     out = tmp_path_factory.mktemp("split")
     for layout, (nproc, *settings) in LAYOUTS.items():
-        ok(dtrain("run", *GPT, f"data.path={json_byte_tokens}", f"run.dir={out / layout}", "--nproc", nproc, *settings))
+        ok(warm("run", *GPT, f"data.path={json_byte_tokens}", f"run.dir={out / layout}", "--nproc", nproc, *settings))
     return out
 
 

@@ -223,7 +223,7 @@ def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(json_byte_tokens, tmp_path):
+def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(warm, json_byte_tokens, tmp_path):
     """SIGTERM to the launcher mid-run under tp2: one checkpoint, exit 75; the same command resumes from it
     and ends with the weights of the run that was never stopped, bitwise (the same layout)."""
     longer = ("training.max_steps=30", "checkpoint.every_steps=100")
@@ -243,14 +243,14 @@ def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_fro
     assert proc.returncode == 75, err
     (checkpoint,) = CheckpointStore(stopped).complete()
     assert 2 <= checkpoint.step < 30 and f"stopped by SIGTERM at step {checkpoint.step}" in err.decode()
-    resumed = ok(dtrain(*args))
+    resumed = ok(warm(*args))
     assert f"resumed from {checkpoint.path}" in resumed.stderr
     assert [m["step"] for m in train_lines(stopped)] == list(range(1, 31))
     assert_weights_close(weights(stopped), weights(tmp_path / "whole"), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(json_byte_tokens, tmp_path, layout):
+def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(warm, json_byte_tokens, tmp_path, layout):
     """SIGKILL to the whole job (launcher and workers, nothing can run) once a checkpoint exists, under tp2
     and pp2: the same command resumes from the newest complete checkpoint and ends bitwise on the weights
     of the run that was never stopped (the same layout)."""
@@ -275,7 +275,7 @@ def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(json_byte_to
     proc.wait(timeout=TIMEOUT)
     newest = CheckpointStore(killed).complete()[-1]
     assert newest.step < 30, "the run finished before it was killed"
-    resumed = ok(dtrain(*args))
+    resumed = ok(warm(*args))
     assert f"resumed from {newest.path}" in resumed.stderr
     assert [m["step"] for m in train_lines(killed)] == list(range(1, 31))
     assert_weights_close(weights(killed), weights(tmp_path / "whole"), atol=0, rtol=0)

@@ -39,7 +39,7 @@ def event_files(run_dir):
     return sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_a_run_dir_holding_other_files_is_refused_unless_allowed(cli, tmp_path):
+def test_a_run_dir_holding_other_files_is_refused_unless_allowed(warm, cli, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("my notes")
@@ -50,15 +50,15 @@ def test_a_run_dir_holding_other_files_is_refused_unless_allowed(cli, tmp_path):
         f"run.dir, or set run.allow_other_files=true to write beside them",
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["data", "notes.txt"]
-    ok(dtrain("run", *JOB, f"run.dir={run_dir}", "run.allow_other_files=true"))
+    ok(warm("run", *JOB, f"run.dir={run_dir}", "run.allow_other_files=true"))
     assert (run_dir / "notes.txt").read_text() == "my notes" and (run_dir / "model.safetensors").is_file()
 
 
-def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
+def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(warm, tmp_path):
     """No checkpoint to continue from (checkpoint.at_end=false, weights from a dtrain older than their end
     record): a rerun would mix two runs in one TensorBoard and one metrics file. Refused, untouched; with
     run.overwrite=true the earlier outputs go first."""
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.at_end=false"))
+    ok(warm("run", *JOB, f"run.dir={tmp_path}", "checkpoint.at_end=false"))
     weights = tmp_path / "model.safetensors"  # as an older dtrain wrote them: no record of the run's end
     save_file(load_file(weights), weights, metadata={"format": "pt", "written_by": "dtrain"})
     before = snapshot(tmp_path)
@@ -68,7 +68,7 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
         f"no checkpoint to continue from; choose a new run.dir, or set run.overwrite=true to replace them",
     )
     assert snapshot(tmp_path) == before
-    result = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
+    result = ok(warm("run", *JOB, f"run.dir={tmp_path}", "optimizer.lr=0.01", "run.overwrite=true"))
     assert (
         "replaced the outputs of the earlier run (run.overwrite): metrics.jsonl, model.safetensors, tensorboard"
         in result.stderr
@@ -78,15 +78,15 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_or_replaced(tmp_path):
     assert all(m["lr"] <= 0.01 for m in train_lines(tmp_path))  # the new run's, only
 
 
-def test_overwrite_starts_afresh_even_over_checkpoints(tmp_path):
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+def test_overwrite_starts_afresh_even_over_checkpoints(warm, tmp_path):
+    ok(warm("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4", "step-5"]
-    resumed = ok(dtrain("run", *JOB, f"run.dir={tmp_path}"))  # without it: the finished run is found
+    resumed = ok(warm("run", *JOB, f"run.dir={tmp_path}"))  # without it: the finished run is found
     assert resumed.stderr.strip().splitlines() == [
         f"dtrain: run.dir {tmp_path} is already complete (step 5 of 5, epoch 1 of 1); nothing to train — raise "
         f"training.epochs or training.max_steps to train on"
     ]
-    again = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "training.epochs=2"))
+    again = ok(warm("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "training.epochs=2"))
     assert "resumed" not in again.stderr
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 11))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]  # the new run's end
@@ -189,12 +189,12 @@ def test_the_rerun_after_a_hang_keeps_the_hangs_stacks(tmp_path):
 
 
 @pytest.mark.parametrize("left", ["unsealed", "sealed-aside"])
-def test_only_a_run_that_left_no_sealed_checkpoint_anywhere_is_replaced(tmp_path, left):
+def test_only_a_run_that_left_no_sealed_checkpoint_anywhere_is_replaced(warm, tmp_path, left):
     """A run killed while writing its first checkpoint leaves it unsealed (no COMPLETE.json): nothing
     can resume it, and the rerun replaces it. One killed while replacing a sealed checkpoint of the same
     step leaves that one sealed under a partial name: lasting work, so the rerun is refused and
     nothing is touched."""
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+    ok(warm("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
     (tmp_path / "model.safetensors").unlink()  # killed before the end
     for checkpoint in (tmp_path / "checkpoints").iterdir():
         if left == "unsealed":
@@ -270,8 +270,8 @@ def test_what_only_shares_a_name_with_dtrains_outputs_is_never_deleted(cli, tmp_
     assert snapshot(tmp_path) == before
 
 
-def test_overwrite_deletes_nothing_when_the_run_is_refused_after_all(tmp_path):
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
+def test_overwrite_deletes_nothing_when_the_run_is_refused_after_all(warm, tmp_path):
+    ok(warm("run", *JOB, f"run.dir={tmp_path}", "checkpoint.every_steps=2"))
     before = snapshot(tmp_path)
     result = dtrain("run", *JOB, f"run.dir={tmp_path}", "run.overwrite=true", "model.name=os:getcwd")
     assert result.returncode == 2 and "returned str, not a torch.nn.Module" in result.stderr, result.stderr

@@ -45,18 +45,18 @@ def base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt_runs(tokens, base, tmp_path_factory) -> dict[str, Path]:
+def gpt_runs(warm, tokens, base, tmp_path_factory) -> dict[str, Path]:
     """The same LoRA fine-tuning of the base, unbroken under DDP and FSDP2, and under DDP stopped at step 3
     (its checkpoint), then rerun to its end."""
     root = tmp_path_factory.mktemp("lora")
     runs = {name: root / name for name in ("ddp", "fsdp", "stopped")}
     common = (OPTIONS, LORA, f"model.init_from={base}", "checkpoint.every_steps=3")
-    ok(dtrain(*job(tokens, runs["ddp"], *common)))
-    ok(dtrain(*job(tokens, runs["fsdp"], *common, "distributed.strategy=fsdp")))
-    ok(dtrain(*job(tokens, runs["stopped"], *common, "training.stop_at_step=3")))
+    ok(warm(*job(tokens, runs["ddp"], *common)))
+    ok(warm(*job(tokens, runs["fsdp"], *common, "distributed.strategy=fsdp")))
+    ok(warm(*job(tokens, runs["stopped"], *common, "training.stop_at_step=3")))
     runs["resumed"] = runs["stopped"]
     (root / "stopped-losses.json").write_text(json.dumps([m["loss"] for m in train_lines(runs["stopped"])]))
-    ok(dtrain(*job(tokens, runs["stopped"], *common)))
+    ok(warm(*job(tokens, runs["stopped"], *common)))
     return runs
 
 
@@ -172,7 +172,7 @@ def test_bad_lora_settings_are_one_line(tmp_path):
         assert len(lines) == 1 and says in lines[0], (lora, result.stderr)
 
 
-def test_a_hugging_face_model_under_fsdp_exports_adapters_and_merged_weights(tokens, tmp_path):
+def test_a_hugging_face_model_under_fsdp_exports_adapters_and_merged_weights(warm, tokens, tmp_path):
     """A transformers GPT-2 from a local folder (its Conv1D layers: peft's fan_in_fan_out), LoRA on peft's own
     default target for gpt2, sharded by FSDP2: both exports load, with the same logits."""
     from peft import PeftModel
@@ -183,7 +183,7 @@ def test_a_hugging_face_model_under_fsdp_exports_adapters_and_merged_weights(tok
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "base")
     run_dir = tmp_path / "run"
     no_dropout = "model.options={resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0}"
-    ok(dtrain(*job(tokens, run_dir, f"model.name=hf-causal-lm:{tmp_path / 'base'}", no_dropout,
+    ok(warm(*job(tokens, run_dir, f"model.name=hf-causal-lm:{tmp_path / 'base'}", no_dropout,
                    "training.lora={r = 2}", "distributed.strategy=fsdp")))  # fmt: skip
     with safe_open(str(run_dir / "model.safetensors"), "pt") as final:
         assert sorted({n.split(".")[-4] for n in final.keys()}) == ["c_attn"]  # noqa: SIM118 — peft: gpt2

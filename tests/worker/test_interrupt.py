@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint import CheckpointStore
-from helpers import ROOT, SMALL_JOB, TIMEOUT, WORKERS, dtrain, env, ok, weights
+from helpers import ROOT, SMALL_JOB, TIMEOUT, WORKERS, env, ok, weights
 
 # 240 training samples, 120 a process, batches of 16: 8 steps an epoch; every step logged (a stop agreed
 # at each), each step slowed so that the signal lands mid-run.
@@ -69,10 +69,10 @@ def dtrain_lines(err: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
+def uninterrupted(warm, tmp_path_factory) -> dict:
     """The job's final weights when nothing stops it."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    ok(dtrain("run", *job(run_dir), "--nproc", "2"))
+    ok(warm("run", *job(run_dir), "--nproc", "2"))
     return weights(run_dir)
 
 
@@ -106,7 +106,7 @@ def test_ctrl_c_under_plain_torchrun_checkpoints_and_the_workers_say_one_line(tm
     assert "Interrupted" not in err and "dtrain/train" not in err, err  # no worker's traceback
 
 
-def test_a_second_ctrl_c_stops_at_once_and_says_what_a_rerun_will_do(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_and_says_what_a_rerun_will_do(warm, tmp_path):
     """Steps of 0.5 s, a checkpoint every 2: the first Ctrl-C asks for a stop at the end of the step, the
     second (0.15 s later, within that step) ends the workers there. The one line names the newest sealed
     checkpoint, which the rerun resumes from; the stop's own checkpoint was never written."""
@@ -122,7 +122,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_a_rerun_will_do(tmp_path):
         line,
     ), err
     assert "Traceback" not in err, err
-    rerun = ok(dtrain("run", *job(tmp_path), "--nproc", "2", "training.max_steps=4"))
+    rerun = ok(warm("run", *job(tmp_path), "--nproc", "2", "training.max_steps=4"))
     assert f"resumed from {newest.path}" in rerun.stderr
 
 

@@ -123,7 +123,7 @@ def test_sigterm_to_the_launcher_while_its_workers_import_torch_says_dtrains_lin
     assert result.stderr.count(BEFORE) == 1, result.stderr
 
 
-def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(tmp_path):
+def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(warm, tmp_path):
     """SIGTERM on rank 0 once run.dir is taken and its outputs begun (TensorBoard importing), before the
     first step: both ranks stop (75, the one line), and the new run's outputs are removed, so the same
     command starts afresh instead of being refused as an earlier run."""
@@ -131,7 +131,7 @@ def test_sigterm_after_run_dir_is_claimed_leaves_nothing_and_the_rerun_starts(tm
     assert result.returncode == 75, result.stderr
     assert result.stderr.count(BEFORE) == 1, result.stderr
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
-    ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path}"))
+    ok(warm("run", *SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path}"))
 
 
 # --- while writing -------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_a_second_sigterm_during_the_checkpoint_write_still_leaves_a_sealed_chec
     assert f"stopped by SIGTERM at step {complete[0].step}" in err
 
 
-def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_requeue_finds_complete(tmp_path):
+def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_requeue_finds_complete(warm, tmp_path):
     """SIGTERM while model.safetensors is being written (a slow disk): the weights are finished, the
     trained state is also sealed as a checkpoint of the last step, and the job exits 75 — so the rerun a
     scheduler makes on 75 finds the run complete (exit 0) instead of refusing an earlier run's run.dir."""
@@ -186,7 +186,7 @@ def test_sigterm_during_the_final_weights_write_leaves_weights_and_a_run_the_req
     assert weights(run_dir).keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}  # whole, loadable
     complete = CheckpointStore(run_dir).complete()
     assert [c.step for c in complete] == [16], err  # the last step (2 epochs of 8)
-    ok(dtrain("run", *SMALL_JOB, "--nproc", "2", f"run.dir={run_dir}"))
+    ok(warm("run", *SMALL_JOB, "--nproc", "2", f"run.dir={run_dir}"))
 
 
 # --- while the nodes join ------------------------------------------------------------------------
