@@ -128,18 +128,18 @@ def test_a_model_that_differs_between_ranks_gets_a_clear_message(tmp_path):
     )
 
 
-def test_out_of_memory_names_the_step_the_batch_and_the_levers(tmp_path):
+def test_out_of_memory_names_the_step_the_batch_and_the_levers(solo, tmp_path):
     refused(
-        dtrain("run", *JOB, "model.options={oom_at_forward = 3}", "--nproc", "1", f"run.dir={tmp_path}"),
+        solo.run("run", *JOB, "model.options={oom_at_forward = 3}", "--nproc", "1", f"run.dir={tmp_path}"),
         "out of GPU memory at step 3 on rank 0 with data.batch_size=16 per process",
         "try data.batch_size=8 training.grad_accum_steps=2 (the same effective batch) or training.precision=bf16",
     )
 
 
-def test_a_cpu_out_of_memory_gets_the_same_advice(tmp_path):
+def test_a_cpu_out_of_memory_gets_the_same_advice(solo, tmp_path):
     """A real allocation the CPU cannot serve (100 000 GiB in the third forward pass)."""
     refused(
-        dtrain(
+        solo.run(
             "run", *JOB, "model.options={oom_at_forward = 3, oom_gib = 100000}", "--nproc", "1", f"run.dir={tmp_path}"
         ),
         "out of memory at step 3 on rank 0 with data.batch_size=16 per process",
@@ -147,9 +147,9 @@ def test_a_cpu_out_of_memory_gets_the_same_advice(tmp_path):
     )
 
 
-def test_a_model_without_parameters_is_refused(tmp_path):
+def test_a_model_without_parameters_is_refused(solo, tmp_path):
     refused(
-        dtrain("run", *JOB, "model.name=torch.nn:Flatten", "--nproc", "1", f"run.dir={tmp_path / 'run'}"),
+        solo.run("run", *JOB, "model.name=torch.nn:Flatten", "--nproc", "1", f"run.dir={tmp_path / 'run'}"),
         "the model (Flatten) has no trainable parameters: there is nothing to train",
     )
     assert not (tmp_path / "run").exists()
@@ -317,11 +317,11 @@ def test_report_says_a_pipeline_s_bubble(tmp_path):
     assert "pipeline bubble" not in summary(load_records(tmp_path)[2:])
 
 
-def test_report_from_the_command_line(slow_rank_run):
+def test_report_from_the_command_line(cli, slow_rank_run):
     run_dir, _ = slow_rank_run
-    result = ok(dtrain("report", str(run_dir)))
+    result = ok(cli("report", str(run_dir)))
     assert "final training loss" in result.stdout and "plots: loss.png, memory.png, ranks.png" in result.stdout
-    missing = dtrain("report", str(run_dir / "nope"))
+    missing = cli("report", str(run_dir / "nope"))
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
 
 
@@ -333,7 +333,7 @@ def test_report_from_the_command_line(slow_rank_run):
         ("link inside", "holds links: summary.txt (a folder of yours?)"),
     ],
 )
-def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_path, kind, problem):
+def test_a_report_path_that_is_not_dtrains_folder_is_refused(cli, slow_rank_run, tmp_path, kind, problem):
     """Nothing is written through a link: not report/ itself, not a file in it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -348,7 +348,7 @@ def test_a_report_path_that_is_not_dtrains_folder_is_refused(slow_rank_run, tmp_
     else:
         (run_dir / "report").mkdir()
         (run_dir / "report" / "summary.txt").symlink_to(elsewhere / "victim.txt")
-    result = dtrain("report", str(run_dir))
+    result = cli("report", str(run_dir))
     assert result.returncode == 2 and [line for line in result.stderr.splitlines() if line.strip()] == [
         f"dtrain: error: {run_dir / 'report'} is where dtrain writes its report, and it {problem}; move it and "
         f"run dtrain report again"

@@ -59,17 +59,18 @@ LAYOUTS = {
 }
 
 
-def launch(tokens, run_dir, layout, *extra):
+def launch(tokens, run_dir, layout, *extra, start=dtrain):
+    """The job under `layout`; `start` the warm fixture where a test reads what the run wrote."""
     nproc, *settings = LAYOUTS[layout]
-    return dtrain("run", *GPT, f"data.path={tokens}", "--nproc", nproc, f"run.dir={run_dir}", *settings, *extra)
+    return start("run", *GPT, f"data.path={tokens}", "--nproc", nproc, f"run.dir={run_dir}", *settings, *extra)
 
 
 @pytest.fixture(scope="module")
-def runs(json_byte_tokens, tmp_path_factory):
+def runs(warm, json_byte_tokens, tmp_path_factory):
     """The job uninterrupted on one process, under tp2 and under fsdp2 × tp2 (one launch each)."""
     out = tmp_path_factory.mktemp("tp")
     for layout in ("one", "tp2", "fsdp2_tp2"):
-        said = ok(launch(json_byte_tokens, out / layout, layout))
+        said = ok(launch(json_byte_tokens, out / layout, layout, start=warm))
         (out / f"{layout}.stderr").write_text(said.stderr)
     return out
 
@@ -86,7 +87,7 @@ def assert_same_training(a, b, tolerance=1e-5):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
-def test_tensor_parallel_takes_the_steps_one_process_takes(runs, layout):
+def test_tensor_parallel_takes_the_steps_one_process_takes(cli, runs, layout):
     """Per-step losses, eval loss and the final model.safetensors (whole, the tied embedding once) within
     1e-5 of one process, with accumulation and clipping by the global norm over every shard."""
     assert_same_training(runs / "one", runs / layout)
@@ -102,8 +103,8 @@ def test_tensor_parallel_takes_the_steps_one_process_takes(runs, layout):
     assert [b / whole for b in held] == pytest.approx([0.5 if layout == "tp2" else 0.25] * len(held), abs=0.02)
     # The whole weights generate as one process's do (greedy: the same continuation).
     greedy = ("--prompt", "{", "--tokens", "20", "--temperature", "0")
-    said = ok(dtrain("generate", str(runs / layout), *greedy)).stdout
-    assert said and said == ok(dtrain("generate", str(runs / "one"), *greedy)).stdout
+    said = ok(cli("generate", str(runs / layout), *greedy)).stdout
+    assert said and said == ok(cli("generate", str(runs / "one"), *greedy)).stdout
 
 
 def test_each_tensor_parallel_rank_draws_dropout_from_a_stream_of_its_own(runs):
@@ -141,7 +142,7 @@ def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path
 
 
 @pytest.mark.parametrize("layouts", [("tp2", "ddp2", "tp2"), ("fsdp2_tp2", "fsdp4", "hsdp2x2_tp2")])
-def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_tokens, tmp_path, layouts):
+def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(warm, runs, json_byte_tokens, tmp_path, layouts):
     """Stopped under one layout at step 2, resumed under the next to step 4, then under the last (DCP
     reshards DTensor shards into whole tensors, and whole tensors into shards): tp2 → ddp2 → tp2;
     fsdp2 × tp2 → fsdp4 → HSDP × TP (2 × 2 × 2 processes). The same global samples; the losses, eval
@@ -149,7 +150,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_
     stops = [6 * (k + 1) // len(layouts) for k in range(len(layouts))]  # the last runs to the end (6)
     for k, layout in enumerate(layouts):
         extra = [f"training.stop_at_step={stops[k]}"] if stops[k] < 6 else []
-        said = ok(launch(json_byte_tokens, tmp_path, layout, *extra)).stderr
+        said = ok(launch(json_byte_tokens, tmp_path, layout, *extra, start=warm)).stderr
         if k:
             assert "resumed from " in said and f"(step {stops[k - 1]} of 6" in said, said
             change = "2 → 1" if "tp2" in layouts[k - 1] else "1 → 2"
@@ -202,17 +203,17 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(runs, json_byte_
     ],
 )
 def test_what_tensor_parallel_cannot_do_is_refused_by_the_launcher(
-    json_byte_tokens, tmp_path, nproc, overrides, message
+    cli, json_byte_tokens, tmp_path, nproc, overrides, message
 ):
-    result = dtrain(
+    result = cli(
         "run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={tmp_path / 'run'}", *overrides
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"dtrain: error: {message}"], result.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(tmp_path):
-    result = dtrain(
+def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(cli, tmp_path):
+    result = cli(
         "run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "distributed.tp_size=2"
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [

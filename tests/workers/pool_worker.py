@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,14 +53,8 @@ def run_job(job: dict, out: Path, err: Path) -> tuple[int, bool]:
     try:
         os.environ.update(job["env"])
         os.chdir(job["cwd"])
-        if not dist.is_initialized():  # one process: the command as it is, launcher and worker in one
-            return command(job["argv"]), True
-        launching = [launcher_part(job["argv"]) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(launching, src=0)
-        said, launched = launching[0]
-        if not launched:
-            return (said if dist.get_rank() == 0 else 0), False
-        return command(job["argv"]), True
+        with warnings.catch_warnings():  # each job shows the warnings a fresh process would (once each)
+            return run_command(job["argv"])
     finally:
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved_fds[0], 1)
@@ -70,6 +65,18 @@ def run_job(job: dict, out: Path, err: Path) -> tuple[int, bool]:
         os.environ.clear()
         os.environ.update(saved_env)
         torch._dynamo.reset()  # a compiled job's graphs are no later job's
+
+
+def run_command(argv: list[str]) -> tuple[int, bool]:
+    """The job's exit status here, and whether the workers' part ran."""
+    if not dist.is_initialized():  # one process: the command as it is, launcher and worker in one
+        return command(argv), True
+    launching = [launcher_part(argv) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(launching, src=0)
+    said, launched = launching[0]
+    if not launched:
+        return (said if dist.get_rank() == 0 else 0), False
+    return command(argv), True
 
 
 def command(argv: list[str]) -> int:
