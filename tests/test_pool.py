@@ -29,3 +29,14 @@ def test_a_job_on_the_pool_is_the_job_the_command_runs(pool, solo, tmp_path):
         # The launcher's own part: a rerun of the finished run is said complete before any worker starts.
         again = ok(workers.run("run", *job, f"run.dir={pooled}"))
         assert f"run.dir {pooled} is already complete" in again.stderr and "resumed" not in again.stderr
+
+
+def test_a_job_failing_in_the_workers_is_reported_and_the_next_job_gets_a_new_pool(pool, tmp_path):
+    """A failure in the workers may leave the group broken: the pool says the failure as the command would
+    (exit 1 here, rank 1's traceback), ends, and the next job runs on a new pair of workers."""
+    failed = pool.run(
+        "run", *SMALL_JOB, "--nproc", "2", "data.name=user_factories:explode", f"run.dir={tmp_path / 'a'}"
+    )
+    assert failed.returncode == 1 and "RuntimeError: data factory exploded" in failed.stdout + failed.stderr
+    ok(pool.run("run", *SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path / 'b'}"))
+    assert (tmp_path / "b" / "model.safetensors").is_file()

@@ -116,7 +116,14 @@ def serve(control: Path) -> None:
         job = json.loads(job_file.read_text())
         if job.get("stop"):
             return
-        code, ran = run_job(job, control / f"out-{n}-rank{rank}.txt", control / f"err-{n}-rank{rank}.txt")
+        err = control / f"err-{n}-rank{rank}.txt"
+        code, ran = run_job(job, control / f"out-{n}-rank{rank}.txt", err)
+        said = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "/nonexistent"))
+        if code != 0 and said.is_file():  # what a launched worker leaves for the launcher to print
+            message = json.loads(said.read_text()).get("message", "")
+            with open(err, "a") as fh:
+                fh.write((message if isinstance(message, str) else json.dumps(message)) + "\n")
+            said.unlink()
         broken = ran and code != 0 and dist.is_initialized()
         result = control / f"result-{n}-rank{rank}.json"
         result.with_suffix(".tmp").write_text(json.dumps({"code": code, "broken": broken}))
