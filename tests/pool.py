@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ class Pool:
         self.n = 0
 
     def _start(self) -> None:
+        self.stop()  # what a pool that ended left behind
         self.control = Path(tempfile.mkdtemp(prefix="dtrain-pool-"))
         self.n = 0
         self.log = open(self.control / "pool.log", "w")  # noqa: SIM115 — open while the pool lives
@@ -99,8 +101,11 @@ class Pool:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        assert self.control is not None
-        (self.control / f"job-{self.n}.json").write_text(json.dumps({"stop": True}))
-        self._wait_or_kill()
+        """End the workers (they leave at the next job file, a stop) and remove their files."""
+        if self.proc is not None and self.proc.poll() is None and self.control is not None:
+            (self.control / f"job-{self.n}.json").write_text(json.dumps({"stop": True}))
+            self._wait_or_kill()
+        if self.control is not None:
+            self.log.close()
+            shutil.rmtree(self.control, ignore_errors=True)
+            self.control = None
