@@ -127,14 +127,18 @@ def cli(capfd, monkeypatch):
     return call
 
 
+def _warm_workers(nproc: int):
+    from pool import Pool
+
+    workers = Pool(nproc)
+    yield workers
+    workers.stop()
+
+
 @pytest.fixture(scope="session")
 def pool():
     """A warm pair of workers for `dtrain run ... --nproc 2` jobs whose outputs a test reads (tests/pool.py)."""
-    from pool import Pool
-
-    workers = Pool(2)
-    yield workers
-    workers.stop()
+    yield from _warm_workers(2)
 
 
 @pytest.fixture(scope="session")
@@ -154,8 +158,4 @@ def warm(pool, solo):
 @pytest.fixture(scope="session")
 def solo():
     """A warm process for `dtrain run ...` jobs of one process whose outputs a test reads (tests/pool.py)."""
-    from pool import Pool
-
-    worker = Pool(1)
-    yield worker
-    worker.stop()
+    yield from _warm_workers(1)
