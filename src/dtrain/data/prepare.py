@@ -39,7 +39,12 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "__pycache__",
 def stdlib_files() -> list[Path]:
     """The running Python's standard-library source: real text nobody here wrote, on every machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        # Pruned on the way down: site-packages alone can hold a hundred times the stdlib's files.
+        subfolders[:] = [d for d in subfolders if d not in STDLIB_SKIP]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 def find_files(sources: Sequence[str]) -> list[Path]:
