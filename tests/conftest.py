@@ -142,15 +142,51 @@ def pool():
 
 
 @pytest.fixture(scope="session")
-def warm(pool, solo):
-    """`warm("run", ...)`: the job on the warm workers of its --nproc (2: pool, 1: solo), as `helpers.dtrain`
-    would run it; a job of other sizes (4, 8 processes) is launched as usual."""
-    from helpers import dtrain
+def wide_pools():
+    """Warm workers of other sizes (4, 8 processes), started by a module's first job of that size."""
+    pools: dict = {}
+    yield pools
+    for workers in pools.values():
+        workers.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _wide_pools_end_with_their_module(wide_pools):
+    """A few modules run jobs of 4 or 8 processes: their workers leave with the module rather than sit
+    idle, holding memory, through the rest of the suite."""
+    yield
+    for workers in wide_pools.values():
+        workers.stop()
+    wide_pools.clear()
+
+
+@pytest.fixture(scope="session")
+def workers_of(pool, solo, wide_pools):
+    """The warm workers for jobs of `nproc` processes (2: pool, 1: solo, others: a pool for the module)."""
+    from pool import Pool
+
+    return lambda nproc: {1: solo, 2: pool}.get(nproc) or wide_pools.setdefault(nproc, Pool(nproc))
+
+
+@pytest.fixture(scope="session")
+def warm(workers_of):
+    """`warm("run", ...)`, `warm("launch", "--nproc", "2", SCRIPT, ...)`: the job on the warm workers of its
+    --nproc, as `helpers.dtrain` would run it."""
     from pool import without_nproc
 
-    def run(*args: str, **kwargs):
-        nproc = without_nproc(args)[1]
-        return (pool if nproc == 2 else solo).run(*args, **kwargs) if nproc in (1, 2) else dtrain(*args, **kwargs)
+    return lambda *args, **kwargs: workers_of(without_nproc(args)[1]).run(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def warm_torchrun(workers_of):
+    """`warm_torchrun(script, *args, nproc=2)`: what `helpers.torchrun` returns, the script run on warm
+    workers (one process: under torchrun itself, whose group is the script's own)."""
+    from helpers import torchrun
+
+    def run(script, *args, nproc: int = 2, **kwargs):
+        if nproc == 1:
+            return torchrun(script, *args, nproc=1, **kwargs)
+        return workers_of(nproc).torchrun(script, *args, **kwargs)
 
     return run
 
@@ -159,3 +195,4 @@ def warm(pool, solo):
 def solo():
     """A warm process for `dtrain run ...` jobs of one process whose outputs a test reads (tests/pool.py)."""
     yield from _warm_workers(1)
+

@@ -1,8 +1,9 @@
-"""Jobs of `dtrain run ... --nproc 2` on a warm pair of workers (tests/workers/pool_worker.py), for the
-tests that read what a run wrote (its metrics, weights, checkpoints, a resume's result) rather than
-prove the launcher: the same worker code path on the same 2-process gloo group under dtrain's launcher,
-without a launcher, two Pythons and `import torch` per job. Tests of the launcher itself, of failures,
-of signals and of what is said once per job keep `helpers.dtrain`.
+"""Jobs of `dtrain run ... --nproc N`, `dtrain launch --nproc N SCRIPT` and `torchrun SCRIPT` on warm
+workers (tests/workers/pool_worker.py), for the tests that read what a run wrote (its metrics, weights,
+checkpoints, a resume's result) rather than prove the launcher: the same worker code path on an
+N-process gloo group under dtrain's launcher, without a launcher, N Pythons and `import torch` per
+job. Tests of the launcher itself, of failures, of signals and of what is said once per job keep
+`helpers.dtrain` and `helpers.torchrun`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def without_nproc(args) -> tuple[list[str], int]:
 
 class Pool:
     """`pool.run("run", CONFIG, *overrides, "--nproc", "2")`: what `helpers.dtrain` returns for that job
-    (exit status, then rank 0's and rank 1's output one after the other), run on the warm workers. A
-    pool of 1 (`Pool(1)`) takes the jobs of one process: no launcher, no group."""
+    (exit status, then each rank's output one after the other), run on the warm workers. A pool of 1
+    (`Pool(1)`) takes the `dtrain run` jobs of one process: no launcher, no group."""
 
     def __init__(self, nproc: int = 2) -> None:
         self.nproc = nproc
@@ -48,7 +49,7 @@ class Pool:
         self.control = Path(tempfile.mkdtemp(prefix="dtrain-pool-"))
         self.n = 0
         self.log = open(self.control / "pool.log", "w")  # noqa: SIM115 — open while the pool lives
-        launch = [sys.executable, "-m", "dtrain", "launch", "--nproc", "2"] if self.nproc == 2 else [sys.executable]
+        launch = [sys.executable, *(["-m", "dtrain", "launch", "--nproc", str(self.nproc)] if self.nproc > 1 else [])]
         self.proc = subprocess.Popen(
             [*launch, str(WORKERS / "pool_worker.py"), str(self.control)],
             cwd=ROOT,
@@ -60,12 +61,22 @@ class Pool:
 
     def run(self, *args: str, cwd: Path | None = None, extra_env: dict[str, str] | None = None):
         argv, nproc = without_nproc(args)
-        assert argv[:1] == ["run"] and nproc == self.nproc, args
+        assert nproc == self.nproc and (argv[:1] == ["run"] or (argv[:1] == ["launch"] and nproc > 1)), args
+        return self._job({"argv": argv}, ["dtrain", *args], cwd, extra_env)
+
+    def torchrun(self, script: str | Path, *args: str, cwd: Path | None = None):
+        """What `helpers.torchrun(script, *args, nproc=N)` returns, the script run by each warm worker as
+        `python SCRIPT ARGS` (its own init_process_group and destroy_process_group use the pool's group)."""
+        assert self.nproc > 1, "a script of one process runs under torchrun: its group is its own"
+        return self._job({"argv": [str(script), *map(str, args)], "script": True}, ["torchrun", script, *args], cwd)
+
+    def _job(self, job: dict, shown: list, cwd: Path | None, extra_env: dict[str, str] | None = None):
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         assert self.control is not None
+        argv = job["argv"]
         n, self.n = self.n, self.n + 1
-        job = {"argv": argv, "cwd": str(cwd or ROOT), "env": extra_env or {}}
+        job = {**job, "cwd": str(cwd or ROOT), "env": extra_env or {}}
         staged = self.control / f"job-{n}.tmp"
         staged.write_text(json.dumps(job))
         staged.rename(self.control / f"job-{n}.json")
@@ -85,7 +96,7 @@ class Pool:
         if any(s["broken"] for s in said):  # the workers leave after such a failure; the next job starts a pool
             self._wait_or_kill()
         code = next((s["code"] for s in said if s["code"]), 0)
-        return subprocess.CompletedProcess(["dtrain", *args], code, out, err)
+        return subprocess.CompletedProcess(shown, code, out, err)
 
     def _said(self) -> str:
         self.log.flush()

@@ -14,7 +14,7 @@ import torch
 
 from dtrain.checkpoint import CheckpointStore
 from dtrain.checkpoint.store import MARKER
-from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, mount_tmpfs, ok, torchrun, train_lines, unmount, weights
+from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, mount_tmpfs, ok, train_lines, unmount, weights
 
 JOB = [
     "examples/digits_mlp.toml",
@@ -75,9 +75,9 @@ def copy_run(src: Path, dst: Path) -> Path:
 # --- exact resume -------------------------------------------------------------------------------
 
 
-def test_stop_and_resume_is_bitwise_equal_in_every_situation(tmp_path):
+def test_stop_and_resume_is_bitwise_equal_in_every_situation(warm_torchrun, tmp_path):
     """Mid-epoch, at an epoch boundary, part-way through accumulation, in bf16, with AdamW."""
-    ok(torchrun(WORKERS / "resume_scenarios.py", tmp_path))
+    ok(warm_torchrun(WORKERS / "resume_scenarios.py", tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == {"mid_epoch", "epoch_boundary", "accumulation", "bf16", "adamw"}
     stops = {"mid_epoch": 7, "epoch_boundary": 10, "accumulation": 5, "bf16": 13, "adamw": 6}

@@ -17,13 +17,13 @@ import dtrain
 from dtrain.checkpoint import formats
 from dtrain.checkpoint.manifest import MARKER
 from dtrain.checkpoint.store import CheckpointError
-from helpers import WORKERS, ok, torchrun, weights
+from helpers import WORKERS, ok, weights
 
 
 @pytest.fixture(scope="module")
-def ema_runs(tmp_path_factory):
+def ema_runs(warm_torchrun, tmp_path_factory):
     out = tmp_path_factory.mktemp("ema")
-    result = ok(torchrun(WORKERS / "ema_parts.py", out, nproc=2))
+    result = ok(warm_torchrun(WORKERS / "ema_parts.py", out, nproc=2))
     return out, json.loads((out / "results.json").read_text()), result.stderr
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from dtrain.data.batch import collate, num_samples, num_tokens, split, to_device
 from dtrain.errors import DtrainError
 from dtrain.train.loss import LossOf
-from helpers import WORKERS, ok, torchrun
+from helpers import WORKERS, ok
 
 SHAPES = [
     "tensor_pair_fast",
@@ -32,9 +32,9 @@ SHAPES = [
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
+def shapes(warm_torchrun, tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes")
-    ok(torchrun(WORKERS / "batch_shapes.py", out))
+    ok(warm_torchrun(WORKERS / "batch_shapes.py", out))
     return json.loads((out / "results.json").read_text())
 
 

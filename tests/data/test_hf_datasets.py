@@ -1,7 +1,9 @@
 """Data sets as their users have them: a Hugging Face `datasets.Dataset` (rows of lists with a collate_fn,
 or `set_format("torch")`), a streaming `datasets.IterableDataset`, a `torch.utils.data.IterableDataset`,
 and a map-style set whose `take` is not dtrain's, each trained on 2 processes by `dtrain launch`
-(tests/workers/hf_data.py: a tiny GPT-2, data from local dicts and generators, nothing downloaded)."""
+(tests/workers/hf_data.py: a tiny GPT-2, data from local dicts and generators, nothing downloaded): the
+runs a test reads on warm workers (tests/pool.py), the SIGTERM stops and the refusal under the real
+launcher."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ SCRIPT = str(WORKERS / "hf_data.py")
 N = 48  # samples in every training set of the script
 
 
-def launch(out: Path, kind: str, *overrides: str) -> subprocess.CompletedProcess:
-    return ok(dtrain("launch", "--nproc", "2", SCRIPT, str(out), kind, *overrides))
+def launch(warm, out: Path, kind: str, *overrides: str) -> subprocess.CompletedProcess:
+    """The script's job on the warm workers (tests/pool.py), as `dtrain launch --nproc 2` runs it."""
+    return ok(warm("launch", "--nproc", "2", SCRIPT, str(out), kind, *overrides))
 
 
 def seen(out: Path, rank: int) -> list[list[int]]:
@@ -42,21 +45,21 @@ def assert_falls(out: Path) -> None:
     assert len(curve) >= 6 and sum(curve[-3:]) < sum(curve[:3]), curve
 
 
-def test_a_hugging_face_dataset_trains_with_the_users_collate_fn(tmp_path):
+def test_a_hugging_face_dataset_trains_with_the_users_collate_fn(warm, tmp_path):
     """A datasets.Dataset of Python lists (no set_format): each row through the user's collate_fn, every
     sample once an epoch across the 2 ranks, the loss falling."""
-    launch(tmp_path, "dataset")
+    launch(warm, tmp_path, "dataset")
     assert_falls(tmp_path)
     first_epoch = [i for rank in (0, 1) for batch in seen(tmp_path, rank)[:6] for i in batch]
     assert sorted(first_epoch) == list(range(N))
 
 
 @pytest.fixture(scope="module")
-def in_order(tmp_path_factory):
+def in_order(warm, tmp_path_factory):
     """The torch-formatted set unshuffled, start to finish: also the reference a torch iterable of the same
     rows in the same order must match bitwise."""
     out = tmp_path_factory.mktemp("in_order")
-    launch(out, "dataset-torch", "data.shuffle=false")
+    launch(warm, out, "dataset-torch", "data.shuffle=false")
     return out
 
 
@@ -69,20 +72,20 @@ def test_a_torch_formatted_dataset_in_its_own_order_with_shuffle_false(in_order)
         assert order == list(range(rank, N, 2)) * 4
 
 
-def test_a_data_set_with_a_take_of_its_own_goes_through_the_general_path(tmp_path):
+def test_a_data_set_with_a_take_of_its_own_goes_through_the_general_path(warm, tmp_path):
     """Its take(n) ("the first n samples") is not dtrain's batch gatherer: samples are read one by one and
     collated, every sample once an epoch, and the model trains."""
-    launch(tmp_path, "own-take")
+    launch(warm, tmp_path, "own-take")
     assert_falls(tmp_path)
     first_epoch = [i for rank in (0, 1) for batch in seen(tmp_path, rank)[:6] for i in batch]
     assert sorted(first_epoch) == list(range(N))
 
 
-def test_a_dataloader_handed_in_keeps_its_batch_size_collate_fn_and_order(tmp_path):
+def test_a_dataloader_handed_in_keeps_its_batch_size_collate_fn_and_order(warm, tmp_path):
     """Trainer(train_data=DataLoader(rows, batch_size=3, shuffle=False, collate_fn=...)): the loader's batch
     size (not data.batch_size = 4), its collate_fn (rows of lists cannot be collated without it) and its
     unshuffled order, with dtrain's rank shard added: rank r trains on r, r + 2, ... every epoch."""
-    launch(tmp_path, "loader")
+    launch(warm, tmp_path, "loader")
     assert_falls(tmp_path)
     assert [m["step"] for m in train_lines(tmp_path / "run")] == list(range(1, 17))  # 8 batches of 3 an epoch
     for rank in (0, 1):
@@ -100,10 +103,10 @@ N_EVAL = 21
 
 
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory):
+def streamed(warm, tmp_path_factory):
     """The streaming run start to finish, uninterrupted."""
     out = tmp_path_factory.mktemp("streamed")
-    launch(out, *STREAM)
+    launch(warm, out, *STREAM)
     return out
 
 
@@ -167,12 +170,12 @@ def stop_by_sigterm(out: Path, *args: str, after_step: int = 4) -> int:
     return len(seen(out, 0)) // 2  # 2 micro-batches a step
 
 
-def assert_resumed_exactly(out: Path, reference: Path, *args: str) -> None:
+def assert_resumed_exactly(warm, out: Path, reference: Path, *args: str) -> None:
     """Stopped mid-pass by SIGTERM, then rerun: the checkpoint held each rank's position, the rerun went on
     from the next batch and ended bitwise where the uninterrupted `reference` did."""
     stopped_at = stop_by_sigterm(out, *args)
     assert 4 <= stopped_at < 12 and stopped_at % 3, stopped_at  # inside a pass
-    resumed = launch(out, *args)
+    resumed = launch(warm, out, *args)
     assert "resumed from" in resumed.stderr and "starts again" not in resumed.stderr
     ref, run = weights(reference / "run"), weights(out / "run")
     assert all(torch.equal(ref[k], run[k]) for k in ref)
@@ -181,28 +184,28 @@ def assert_resumed_exactly(out: Path, reference: Path, *args: str) -> None:
         assert seen(out, rank) == seen(reference, rank)
 
 
-def test_a_streaming_run_stopped_by_sigterm_resumes_exactly(streamed, tmp_path):
+def test_a_streaming_run_stopped_by_sigterm_resumes_exactly(warm, streamed, tmp_path):
     """Each worker's position in its shard (Hugging Face's state_dict, gathered by torchdata's
     StatefulDataLoader with the worker next in turn) is checkpointed per rank and restored."""
-    assert_resumed_exactly(tmp_path, streamed, *STREAM)
+    assert_resumed_exactly(warm, tmp_path, streamed, *STREAM)
 
 
-def test_a_stateful_dataloader_of_a_torch_iterable_resumes_exactly_as_the_map_style_run(in_order, tmp_path):
+def test_a_stateful_dataloader_of_a_torch_iterable_resumes_exactly_as_the_map_style_run(warm, in_order, tmp_path):
     """A torchdata StatefulDataLoader handed in, over a torch IterableDataset with state_dict() of the same
     rows in the same order as the unshuffled map-style run: dtrain shards it by rank (rank r: r, r + 2, ...),
     keeps each rank's position, and the run stopped by SIGTERM mid-pass and resumed is bitwise the
     map-style run."""
-    assert_resumed_exactly(tmp_path, in_order, "stateful-loader", "training.max_steps=12")
+    assert_resumed_exactly(warm, tmp_path, in_order, "stateful-loader", "training.max_steps=12")
 
 
-def test_an_iterable_that_cannot_say_its_position_restarts_the_pass_and_says_so(tmp_path):
+def test_an_iterable_that_cannot_say_its_position_restarts_the_pass_and_says_so(warm, tmp_path):
     """A torch IterableDataset without state_dict() yields the whole stream on every process: dtrain keeps
     each sample on one rank and one of 2 DataLoader workers, each sample once a pass. Stopped mid-pass
     (training.stop_at_step), it resumes at the start of that pass and says so in one line."""
     args = ("torch-iterable", "training.max_steps=6", "data.num_workers=2")
-    launch(tmp_path, *args, "training.stop_at_step=4")
+    launch(warm, tmp_path, *args, "training.stop_at_step=4")
     before = {rank: seen(tmp_path, rank) for rank in (0, 1)}
-    resumed = launch(tmp_path, *args)
+    resumed = launch(warm, tmp_path, *args)
     said = [line for line in resumed.stderr.splitlines() if "starts again" in line]
     assert len(said) == 1 and "resuming at step 4" in said[0] and "pass 2" in said[0], resumed.stderr
     for rank in (0, 1):

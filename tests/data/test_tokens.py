@@ -19,7 +19,7 @@ from dtrain.data.tokens import TokenWindows, read_meta
 from dtrain.errors import DtrainError
 from dtrain.models.gpt import GPT as GPTModel
 from dtrain.rundir.lock import RunDirLock
-from helpers import ROOT, WORKERS, assert_weights_close, dtrain, env, metrics, ok, run, torchrun, train_lines, weights
+from helpers import ROOT, WORKERS, assert_weights_close, dtrain, env, metrics, ok, run, train_lines, weights
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
@@ -368,8 +368,8 @@ def test_a_model_that_cannot_train_on_the_data_is_refused_by_the_launcher(prepar
     assert not (tmp_path / "run").exists()
 
 
-def test_the_built_in_gpt_equals_a_hand_written_nanogpt_loop(prepared, tmp_path):
-    ok(torchrun(WORKERS / "gpt_parity.py", prepared, tmp_path))
+def test_the_built_in_gpt_equals_a_hand_written_nanogpt_loop(warm_torchrun, prepared, tmp_path):
+    ok(warm_torchrun(WORKERS / "gpt_parity.py", prepared, tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["dtrain"]) == len(results["hand"]) == 12
     for step, (ours, theirs) in enumerate(zip(results["dtrain"], results["hand"]), 1):

@@ -77,8 +77,16 @@ def mlflow_runs(store, monkeypatch):
 
 
 def wandb_parts(run_dir):
-    """Each W&B offline run started in run_dir, oldest first (the folder names begin with the time)."""
-    return [next(part.glob("run-*.wandb")) for part in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """Each W&B offline run started in run_dir, oldest first (by when its file was last written: the
+    folder names hold the time to the second only, and one job can follow another within it)."""
+    parts = [next(part.glob("run-*.wandb")) for part in (run_dir / "wandb").glob("offline-run-*")]
+    return sorted(parts, key=lambda part: part.stat().st_mtime_ns)
+
+
+def wandb_id(part):
+    """The W&B run id of an offline run's file (run-<id>.wandb; its folder's name may end in -1, -2 ... where
+    two runs began within the same second)."""
+    return part.stem.removeprefix("run-")
 
 
 def wandb_exits(path):
@@ -103,12 +111,12 @@ def logged(run_dir, key="loss"):
 
 
 @pytest.fixture(scope="module")
-def tracked(tmp_path_factory):
+def tracked(warm, tmp_path_factory):
     pytest.importorskip("mlflow")  # the test extra installs both
     pytest.importorskip("wandb")
     run_dir = tmp_path_factory.mktemp("tracked")
     ok(
-        dtrain(
+        warm(
             "run",
             *JOB,
             f"run.dir={run_dir}",
@@ -171,13 +179,13 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_starts(tmp_p
         load_config(None, ['monitor.trackers=["comet"]'])
 
 
-def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+def test_a_resumed_run_continues_its_tracker_runs(warm, tmp_path, monkeypatch):
     """Stopped at a checkpoint it had logged last (training.stop_at_step, as a SIGTERM stop is), the run
     goes on in the same MLflow and W&B runs, each step once."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    ok(dtrain("run", *JOB, f"run.dir={tmp_path}", BOTH, "training.stop_at_step=3", extra_env=OFFLINE))
-    resumed = ok(dtrain("run", *JOB, f"run.dir={tmp_path}", BOTH, extra_env=OFFLINE))
+    ok(warm("run", *JOB, f"run.dir={tmp_path}", BOTH, "training.stop_at_step=3", extra_env=OFFLINE))
+    resumed = ok(warm("run", *JOB, f"run.dir={tmp_path}", BOTH, extra_env=OFFLINE))
     assert "resumed_from_step" not in resumed.stderr, resumed.stderr
     expected = logged(tmp_path)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
@@ -187,7 +195,7 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # each step once
     assert {m.step: m.value for m in history} == pytest.approx(expected)
     parts = wandb_parts(tmp_path)
-    assert len(parts) == 2 and len({p.parent.name.rsplit("-", 1)[-1] for p in parts}) == 1  # one W&B run id, twice
+    assert len(parts) == 2 and len({wandb_id(p) for p in parts}) == 1  # one W&B run id, twice
     assert {**wandb_history(parts[0]), **wandb_history(parts[1])} == pytest.approx(expected)
 
 
@@ -234,7 +242,7 @@ def test_a_run_resumed_behind_what_it_logged_logs_into_new_tracker_runs(tmp_path
         assert sorted(steps) == ([4, 5] if run_ is killed_run else [4, 5, 6])  # each step once
     history = client.get_metric_history(new.info.run_id, "loss")
     assert {m.step: m.value for m in history} == pytest.approx({s: expected[s] for s in (4, 5, 6)})
-    ids = {part.parent.name.rsplit("-", 1)[-1] for part in wandb_parts(tmp_path)}
+    ids = {wandb_id(part) for part in wandb_parts(tmp_path)}
     assert len(ids) == 3  # a new W&B run each time
     last = wandb_parts(tmp_path)[-1]
     tags = [t for r in wandb_records(last) if r.WhichOneof("record_type") == "run" for t in r.run.tags]
@@ -305,7 +313,7 @@ def test_a_preempted_run_is_killed_with_exit_code_75_and_its_resume_continues_it
     history = client.get_metric_history(only.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, 13))  # each step once
     first, second = wandb_parts(tmp_path)
-    assert first.parent.name.rsplit("-", 1)[-1] == second.parent.name.rsplit("-", 1)[-1]  # one W&B run, continued
+    assert wandb_id(first) == wandb_id(second)  # one W&B run, continued
     before, after = wandb_history(first), wandb_history(second)
     assert sorted(before) == list(range(1, stopped_at + 1)) and sorted(after) == list(range(stopped_at + 1, 13))
     assert wandb_exits(second) == [0]

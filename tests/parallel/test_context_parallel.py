@@ -11,7 +11,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT
 from dtrain.parallel import check_sharding
 from dtrain.parallel.context import ContextParallel, check_length, sequence_tensors
-from helpers import SMALL_JOB, WORKERS, dtrain, ok, torchrun
+from helpers import SMALL_JOB, WORKERS, dtrain, ok
 
 
 def test_context_parallel_off_cuda_is_refused_by_the_launcher_in_one_line(tmp_path):
@@ -72,11 +72,11 @@ def test_the_gpt_reads_its_positions_from_context_parallel_and_other_models_are_
     )
 
 
-def test_fsdp_shards_over_the_context_parallel_processes_too_and_cp_peers_must_hold_one_batch(tmp_path):
+def test_fsdp_shards_over_the_context_parallel_processes_too_and_cp_peers_must_hold_one_batch(warm_torchrun, tmp_path):
     """2 real processes: cp peers hold different tokens' gradients, so FSDP's mesh folds cp in; and the
     first step's check that they hold the same batches tells same from different (or reordered) ones."""
     out = tmp_path / "mesh.json"
-    ok(torchrun(WORKERS / "cp_mesh.py", out))
+    ok(warm_torchrun(WORKERS / "cp_mesh.py", out))
     found = json.loads(out.read_text())
     assert found["fsdp"] == {"names": ["dp_shard_cp"], "size": 2, "cp": 2}
     assert (found["same"], found["other"], found["swapped"]) == (True, False, False)

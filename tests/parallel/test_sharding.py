@@ -5,14 +5,14 @@ import re
 
 import pytest
 
-from helpers import WORKERS, assert_weights_close, dtrain, eval_lines, ok, torchrun, train_lines, weights
+from helpers import WORKERS, assert_weights_close, dtrain, eval_lines, ok, train_lines, weights
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
+def fsdp(warm_torchrun, tmp_path_factory):
     """One launch of 2 processes: DDP and FSDP runs of a small GPT, a stop-and-resume, a bad unit name."""
     out = tmp_path_factory.mktemp("fsdp")
-    launched = ok(torchrun(WORKERS / "sharding.py", "fsdp", out))
+    launched = ok(warm_torchrun(WORKERS / "sharding.py", "fsdp", out))
     return out, json.loads((out / "results.json").read_text()), launched.stderr
 
 
@@ -131,8 +131,8 @@ def test_blocks_naming_no_module_is_one_line(fsdp):
     )
 
 
-def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(tmp_path):
-    ok(torchrun(WORKERS / "sharding.py", "hsdp", tmp_path, nproc=4))
+def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(warm_torchrun, tmp_path):
+    ok(warm_torchrun(WORKERS / "sharding.py", "hsdp", tmp_path, nproc=4))
     results = json.loads((tmp_path / "results.json").read_text())
     for name in ("plain", "accum_clip"):
         assert_same_training(tmp_path / f"ddp_{name}", tmp_path / f"hsdp_{name}", 1e-5)

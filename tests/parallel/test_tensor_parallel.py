@@ -22,7 +22,6 @@ from helpers import (
     env,
     eval_lines,
     ok,
-    torchrun,
     train_lines,
     weights,
 )
@@ -227,8 +226,8 @@ def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(
 def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(warm, json_byte_tokens, tmp_path):
     """SIGTERM to the launcher mid-run under tp2: one checkpoint, exit 75; the same command resumes from it
     and ends with the weights of the run that was never stopped, bitwise (the same layout)."""
-    longer = ("training.max_steps=30", "checkpoint.every_steps=100")
-    ok(launch(json_byte_tokens, tmp_path / "whole", "tp2", *longer))
+    longer = ("training.max_steps=12", "checkpoint.every_steps=100")
+    ok(launch(json_byte_tokens, tmp_path / "whole", "tp2", *longer, start=warm))
     stopped = tmp_path / "stopped"
     nproc, *settings = LAYOUTS["tp2"]
     args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={stopped}", *settings, *longer]
@@ -243,10 +242,10 @@ def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_fro
     _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 75, err
     (checkpoint,) = CheckpointStore(stopped).complete()
-    assert 2 <= checkpoint.step < 30 and f"stopped by SIGTERM at step {checkpoint.step}" in err.decode()
+    assert 2 <= checkpoint.step < 12 and f"stopped by SIGTERM at step {checkpoint.step}" in err.decode()
     resumed = ok(warm(*args))
     assert f"resumed from {checkpoint.path}" in resumed.stderr
-    assert [m["step"] for m in train_lines(stopped)] == list(range(1, 31))
+    assert [m["step"] for m in train_lines(stopped)] == list(range(1, 13))
     assert_weights_close(weights(stopped), weights(tmp_path / "whole"), atol=0, rtol=0)
 
 
@@ -255,8 +254,8 @@ def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(warm, json_b
     """SIGKILL to the whole job (launcher and workers, nothing can run) once a checkpoint exists, under tp2
     and pp2: the same command resumes from the newest complete checkpoint and ends bitwise on the weights
     of the run that was never stopped (the same layout)."""
-    longer = ("training.max_steps=30", "checkpoint.every_steps=5")
-    ok(launch(json_byte_tokens, tmp_path / "whole", layout, *longer))
+    longer = ("training.max_steps=12", "checkpoint.every_steps=3")
+    ok(launch(json_byte_tokens, tmp_path / "whole", layout, *longer, start=warm))
     killed = tmp_path / "killed"
     nproc, *settings = LAYOUTS[layout]
     args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={killed}", *settings, *longer]
@@ -275,20 +274,20 @@ def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(warm, json_b
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=TIMEOUT)
     newest = CheckpointStore(killed).complete()[-1]
-    assert newest.step < 30, "the run finished before it was killed"
+    assert newest.step < 12, "the run finished before it was killed"
     resumed = ok(warm(*args))
     assert f"resumed from {newest.path}" in resumed.stderr
-    assert [m["step"] for m in train_lines(killed)] == list(range(1, 31))
+    assert [m["step"] for m in train_lines(killed)] == list(range(1, 13))
     assert_weights_close(weights(killed), weights(tmp_path / "whole"), atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
+def planned(warm_torchrun, tmp_path_factory):
     """A tiny Hugging Face Llama (its own plan), an MLP (a plan given to the Trainer) and the GPT with a
     wide vocabulary (dtrain's loss, and a user's loss_fn), on 1 process and under tp2: one launch each."""
     out = tmp_path_factory.mktemp("planned")
     for nproc in (1, 2):
-        ok(torchrun(WORKERS / "tensor_parallel.py", out, nproc=nproc))
+        ok(warm_torchrun(WORKERS / "tensor_parallel.py", out, nproc=nproc))
     return out
 
 

@@ -3,11 +3,11 @@ processes on gloo, the built-in GPT split by its own plan)."""
 
 import json
 
-from helpers import WORKERS, ok, torchrun
+from helpers import WORKERS, ok
 
 
-def test_tp_ranks_draw_different_dropout_masks_for_their_shards_and_draw_them_again_alike(tmp_path):
-    ok(torchrun(WORKERS / "tp_dropout.py", tmp_path, nproc=2))
+def test_tp_ranks_draw_different_dropout_masks_for_their_shards_and_draw_them_again_alike(warm_torchrun, tmp_path):
+    ok(warm_torchrun(WORKERS / "tp_dropout.py", tmp_path, nproc=2))
     rank0, rank1 = json.loads((tmp_path / "masks.json").read_text())
     for name in ("drop", "h.0.mlp.dropout"):  # the embedding's (sequence shard) and a residual's
         assert 0 < sum(rank0["own"][name]) < len(rank0["own"][name])  # dropout did drop, not everything

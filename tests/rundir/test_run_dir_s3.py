@@ -69,11 +69,11 @@ def complete_json_last(s3, prefix):
 
 
 @pytest.fixture(scope="module")
-def main_job(s3, tmp_path_factory):
+def main_job(warm, s3, tmp_path_factory):
     """The default digits MLP on 2 processes, into a local folder and into the bucket."""
     tmp = tmp_path_factory.mktemp("s3-main")
-    ok(dtrain("run", *MAIN, f"run.dir={tmp / 'local'}"))
-    result = ok(dtrain("run", *MAIN, f"run.dir={s3.url('runs/main')}", extra_env=on(s3, tmp / "machine")))
+    ok(warm("run", *MAIN, f"run.dir={tmp / 'local'}"))
+    result = ok(warm("run", *MAIN, f"run.dir={s3.url('runs/main')}", extra_env=on(s3, tmp / "machine")))
     return tmp / "local", result
 
 
@@ -109,14 +109,14 @@ def test_the_credentials_are_written_nowhere(s3, main_job):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(warm, tmp_path_factory):
     """JOB uninterrupted, into a local folder: what every interrupted run on the bucket must end as."""
     run_dir = tmp_path_factory.mktemp("s3-reference") / "run"
-    ok(dtrain("run", *JOB, MODEL % "", f"run.dir={run_dir}"))
+    ok(warm("run", *JOB, MODEL % "", f"run.dir={run_dir}"))
     return run_dir
 
 
-def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_prefix(s3, reference, tmp_path):
+def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_prefix(warm, s3, reference, tmp_path):
     url, prefix = s3.url("runs/killed"), "runs/killed"
     dying = MODEL % ", die_at_forward = 23, die_rank = 0"  # rank 0, the lease holder: after step-20
     first = dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=on(s3, tmp_path / "a"))
@@ -132,7 +132,7 @@ def test_killed_then_resumed_on_another_machine_is_bitwise_and_takes_no_partial_
     expire = s3.filesystem()
     lease = json.loads(expire.cat_file(f"{s3.bucket}/{prefix}/.lease"))
     expire.pipe_file(f"{s3.bucket}/{prefix}/.lease", json.dumps({**lease, "expires": lease["expires"] - 3600}).encode())
-    second = ok(dtrain("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=later))
+    second = ok(warm("run", *JOB, dying, "checkpoint.every_steps=5", f"run.dir={url}", extra_env=later))
     assert re.search(r"^resumed from \S+/checkpoints/step-20 \(step 20 of 39", second.stderr, re.M), second.stderr
     assert "took over the lease on run.dir from pid " in second.stderr + second.stdout
     stored = objects(s3, prefix)
@@ -164,11 +164,11 @@ def test_a_store_that_refuses_is_one_line_from_the_launcher(s3, tmp_path, case):
     assert s3.secret not in lines[0] and list(tmp_path.iterdir()) == []  # nothing written, not even a cache
 
 
-def test_checkpoints_written_in_the_background_reach_the_bucket_sealed(s3, main_job, tmp_path):
+def test_checkpoints_written_in_the_background_reach_the_bucket_sealed(warm, s3, main_job, tmp_path):
     """checkpoint.async: each checkpoint is sent once sealed (when training sees it done), COMPLETE.json
     last, and the run ends as the synchronous one."""
     local, _ = main_job
-    ok(dtrain("run", *MAIN, "checkpoint.async=true", f"run.dir={s3.url('runs/async')}", extra_env=on(s3, tmp_path)))
+    ok(warm("run", *MAIN, "checkpoint.async=true", f"run.dir={s3.url('runs/async')}", extra_env=on(s3, tmp_path)))
     stored = objects(s3, "runs/async")
     assert all(f"checkpoints/step-{n}/{MARKER}" in stored for n in (5, 10, 12)), sorted(stored)
     assert all(complete_json_last(s3, "runs/async").values())
@@ -245,7 +245,7 @@ def test_two_nodes_each_with_its_own_staging_folder_seal_both_ranks_files_and_re
     ids=["sync-before", "async-before", "async-after"],
 )
 def test_a_kill_as_a_checkpoint_is_sealed_on_the_store_leaves_none_that_only_this_machine_holds(
-    s3, reference, tmp_path, when, background
+    warm, s3, reference, tmp_path, when, background
 ):
     """kill -9 of rank 0 just before or just after the store's COMPLETE.json of step-15: this machine's
     staging folder then holds no sealed checkpoint that the store lacks (the store is sealed first), and
@@ -270,7 +270,7 @@ def test_a_kill_as_a_checkpoint_is_sealed_on_the_store_leaves_none_that_only_thi
     sealed_here = sorted(int(p.name[5:]) for p in (staging / "checkpoints").glob("step-*") if (p / MARKER).is_file())
     assert set(sealed_here) <= set(on_store.complete) and 15 not in sealed_here, (sealed_here, on_store.complete)
     expire_lease(s3, prefix)
-    second = ok(dtrain("run", *job, extra_env=here))
+    second = ok(warm("run", *job, extra_env=here))
     resumed = 15 if when == "after" else 10
     assert re.search(rf"^resumed from \S+/checkpoints/step-{resumed} \(step {resumed} of 39", second.stderr, re.M)
     assert same_as(s3, prefix, reference)

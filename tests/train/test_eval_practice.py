@@ -9,10 +9,10 @@ from helpers import WORKERS, eval_lines, ok, torchrun, train_lines
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(warm_torchrun, tmp_path_factory):
     """One launch, several checks (starting processes is the slow part)."""
     out = tmp_path_factory.mktemp("eval2")
-    ok(torchrun(WORKERS / "eval_practice.py", out, nproc=2))
+    ok(warm_torchrun(WORKERS / "eval_practice.py", out, nproc=2))
     return out, json.loads((out / "results.json").read_text())
 
 

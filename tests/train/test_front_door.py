@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, SMALL_JOB, dtrain, ok, run
+from helpers import ROOT, SMALL_JOB, ok, run
 
 QUICK_START = [sys.executable, "-m", "dtrain", "run", "examples/digits_mlp.toml", "--nproc", "2"]
 COMPLETE = (
@@ -105,11 +105,11 @@ def test_the_quick_start_with_more_epochs_trains_on_from_its_end_each_step_logge
     assert tensorboard_steps(run_dir, "eval/loss") == evals
 
 
-def test_a_finished_run_trained_on_continues_its_tracker_run(tmp_path, monkeypatch):
+def test_a_finished_run_trained_on_continues_its_tracker_run(warm, tmp_path, monkeypatch):
     """MLflow's run of a finished job continues when it trains on: one run, each step once."""
     job = [*SMALL_JOB, "--nproc", "2", f"run.dir={tmp_path}", 'monitor.trackers=["mlflow"]']
-    ok(dtrain("run", *job))
-    ok(dtrain("run", *job, "training.epochs=3"))
+    ok(warm("run", *job))
+    ok(warm("run", *job, "training.epochs=3"))
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the local store, as dtrain wrote it

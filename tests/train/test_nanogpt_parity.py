@@ -25,7 +25,7 @@ import dtrain
 from dtrain.data.random_windows import window_generator
 from dtrain.data.tokens import TokenWindows
 from dtrain.models.gpt import GPT
-from helpers import SMALL_JOB, WORKERS, ok, torchrun
+from helpers import SMALL_JOB, WORKERS, ok
 from helpers import dtrain as dtrain_cli
 
 # nanoGPT's names for the run's settings.
@@ -195,10 +195,10 @@ def test_a_nanogpt_style_run_takes_nanogpts_own_steps(tokens, tmp_path, one_thre
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tokens, tmp_path_factory):
+def two_ranks(warm_torchrun, tokens, tmp_path_factory):
     """One launch of 2 processes: an unbroken run, and the same run stopped after step 5 and resumed."""
     out = tmp_path_factory.mktemp("random2")
-    ok(torchrun(WORKERS / "random_windows.py", tokens, out, nproc=2))
+    ok(warm_torchrun(WORKERS / "random_windows.py", tokens, out, nproc=2))
     return {**json.loads((out / "results.json").read_text()), "out": out}
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from helpers import WORKERS, metrics, ok, run, torchrun
+from helpers import WORKERS, metrics, ok, run
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(WORKERS))
@@ -47,12 +47,12 @@ def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(warm_torchrun, tmp_path_factory):
     """name → (way, weights after the step, its metrics.jsonl)."""
     found = {}
     for way, launch in (
         ("accumulation", lambda out: run([sys.executable, str(WORKERS / "token_weights.py"), str(out), "2"])),
-        ("ddp", lambda out: torchrun(WORKERS / "token_weights.py", out, 1)),
+        ("ddp", lambda out: warm_torchrun(WORKERS / "token_weights.py", out, 1)),
     ):
         out = tmp_path_factory.mktemp(way)
         ok(launch(out))

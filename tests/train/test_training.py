@@ -10,10 +10,10 @@ from helpers import ROOT, WORKERS, assert_weights_close, dtrain, eval_lines, ok,
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
+def shared(warm_torchrun, tmp_path_factory):
     """One torchrun launch, several checks (starting processes is the slow part)."""
     out = tmp_path_factory.mktemp("shared")
-    ok(torchrun(WORKERS / "scenarios.py", "shared", out))
+    ok(warm_torchrun(WORKERS / "scenarios.py", "shared", out))
     return out, json.loads((out / "results.json").read_text())
 
 
