@@ -184,6 +184,16 @@ def timed_output(args: list[str], extra_env: dict[str, str] | None = None) -> tu
     return proc.wait(timeout=TIMEOUT), lines
 
 
+def side_by_side(commands: dict) -> dict:
+    """`timed_output` of each of `commands` (key → (args, extra_env)), all started at once: for commands
+    that spend their seconds waiting for a peer that never comes, the waits overlap instead of adding up."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        futures = {key: pool.submit(timed_output, args, extra_env) for key, (args, extra_env) in commands.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 def assert_waited_then_gave_up(lines: list[tuple[float, str]], waiting: str, give_up: str) -> None:
     """The whole output: `waiting` (a regex whose group `left` is the seconds it says are left) 2 s
     into the wait, again every WAIT_EVERY s, then the one give-up line (a regex) — nothing else."""

@@ -21,7 +21,7 @@ from helpers import (
     fake_mnist,
     ok,
     run,
-    timed_output,
+    side_by_side,
     train_lines,
     weights,
 )
@@ -249,21 +249,70 @@ def test_an_impossible_environment_is_refused_at_once(cli, tmp_path, variables, 
 POD_COMMANDS = {"run": ["run"], "launch": ["launch", str(WORKERS / "config_trainer.py")]}
 
 
+@pytest.fixture(scope="module")
+def waited(tmp_path_factory):
+    """The commands of this module that wait for a peer that never comes, started side by side (their
+    waits overlap rather than add up): key → (the address or endpoint it waited at, run.dir, exit
+    status, its timed lines)."""
+    folder = tmp_path_factory.mktemp("waits")
+    commands, facts = {}, {}
+
+    def add(key, where, argv, extra_env=None):
+        run_dir = folder / "-".join(map(str, key))
+        commands[key] = ([*argv, f"run.dir={run_dir}"], {**WAIT_ENV, **(extra_env or {})})
+        facts[key] = (where, run_dir)
+
+    def pod(rank, address, port):
+        return {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+
+    for command in POD_COMMANDS:
+        for address in ("127.0.0.1", "no-such-host.invalid"):
+            port = free_port()
+            add(
+                ("pod", address, command),
+                f"{address}:{port}",
+                [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB]
+                + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
+                pod(1, address, port),
+            )
+        port = free_port()
+        add(
+            ("rank 0", command),
+            f"127.0.0.1:{port}",
+            [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB]
+            + [f"distributed.timeout_s={WAIT_TIMEOUT + 3}", "distributed.hang_timeout_s=0"],
+            pod(0, "127.0.0.1", port),
+        )
+    port = free_port()
+    add(
+        ("trainer",),
+        f"127.0.0.1:{port}",
+        [sys.executable, str(WORKERS / "config_trainer.py"), *JOB]
+        + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
+        pod(1, "127.0.0.1", port),
+    )
+    for static in (False, True):
+        endpoint = f"127.0.0.1:{free_port()}"
+        add(
+            ("nodes", static),
+            endpoint,
+            [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint]
+            + ["--rdzv-timeout", str(WAIT_TIMEOUT)]
+            + (["--node-rank", "0"] if static else []),
+        )
+    return {key: (*facts[key], *said) for key, said in side_by_side(commands).items()}
+
+
 @pytest.mark.parametrize("command", ["run", "launch"])
 @pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
-def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(tmp_path, address, command):
+def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_line(waited, address, command):
     """RANK=1 of 2 (a Kubernetes pod, srun, mpirun) waits for rank 0's store: it says so 2 s into the
     wait, again at a slow pace, and after distributed.timeout_s gives up in one line — the whole
     output, no C++ warnings, nothing written. So does a pod whose command is `dtrain launch script.py`:
     the script runs as this pod's worker, not as the only worker of a world of its own."""
-    port = free_port()
-    code, lines = timed_output(
-        [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB, f"run.dir={tmp_path / 'run'}"]
-        + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
-        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port), **WAIT_ENV},
-    )
+    address_port, run_dir, code, lines = waited["pod", address, command]
     assert code == 2, lines
-    where = re.escape(f"{address}:{port}")
+    where = re.escape(address_port)
     assert_waited_then_gave_up(
         lines,
         rf"dtrain: waiting for the rendezvous at {where} \(rank 0 serves it; [^)]+\), giving up in "
@@ -271,25 +320,21 @@ def test_a_pod_whose_rank_0_never_answers_waits_visibly_then_gives_up_in_one_lin
         rf"dtrain: error: nothing answered at {where} for {WAIT_TIMEOUT} s \(.+\): start rank 0 at that "
         r"address, .*\(MASTER_ADDR and MASTER_PORT set the address, distributed\.timeout_s the wait\)",
     )
-    assert not (tmp_path / "run").exists()
+    assert not run_dir.exists()
 
 
-def test_a_trainer_in_a_pod_whose_rank_0_never_answers_says_it_waits_then_raises_one_error(tmp_path):
+def test_a_trainer_in_a_pod_whose_rank_0_never_answers_says_it_waits_then_raises_one_error(waited):
     """The Python API in a pod (`python script.py` with RANK=1 of 2, no dtrain command): the Trainer's
     start says it waits for rank 0 and gives up with dtrain's error, whose message is the one line —
     not half an hour of silence and torch's C++ frames."""
-    port = free_port()
-    code, lines = timed_output(
-        [sys.executable, str(WORKERS / "config_trainer.py"), *JOB, f"run.dir={tmp_path / 'run'}"]
-        + [f"distributed.timeout_s={WAIT_TIMEOUT}", "distributed.hang_timeout_s=0"],
-        extra_env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **WAIT_ENV},
-    )
+    address_port, _, code, lines = waited[("trainer",)]
     text = "\n".join(line for _, line in lines)
     assert code == 1 and "frame #" not in text, text
     waits = [line for _, line in lines if line.startswith("dtrain: waiting for the rendezvous")]
-    assert len(waits) >= 2 and f"at 127.0.0.1:{port} (rank 0 serves it;" in waits[0], text
+    assert len(waits) >= 2 and f"at {address_port} (rank 0 serves it;" in waits[0], text
     assert re.fullmatch(
-        rf"dtrain\.errors\.Rank0Missing: nothing answered at 127\.0\.0\.1:{port} for {WAIT_TIMEOUT} s .*", lines[-1][1]
+        rf"dtrain\.errors\.Rank0Missing: nothing answered at {re.escape(address_port)} for {WAIT_TIMEOUT} s .*",
+        lines[-1][1],
     ), text
 
 
@@ -313,22 +358,17 @@ def test_rank_0_whose_master_port_is_taken_says_so_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["run", "launch"])
-def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(tmp_path, command):
+def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one_line(waited, command):
     """RANK=0 of 2 with no rank 1 (a pod whose peer is still importing torch, or never started): rank 0
     waits inside init_process_group, says so after a few seconds and at a slow pace, then gives up in
     one line with torch's count — no traceback. The same in a pod running `dtrain launch script.py`."""
-    port = free_port()
-    code, lines = timed_output(
-        [sys.executable, "-m", "dtrain", *POD_COMMANDS[command], *JOB, f"run.dir={tmp_path / 'run'}"]
-        + [f"distributed.timeout_s={WAIT_TIMEOUT + 3}", "distributed.hang_timeout_s=0"],
-        extra_env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **WAIT_ENV},
-    )
+    address_port, _, code, lines = waited["rank 0", command]
     assert code == 2, lines
     text = "\n".join(line for _, line in lines)
     *waits, last = [line for _, line in lines]
     found = [
         re.fullmatch(
-            rf"dtrain: rank 0: waiting for the other ranks to join at 127\.0\.0\.1:{port} \(2 in all\), "
+            rf"dtrain: rank 0: waiting for the other ranks to join at {re.escape(address_port)} \(2 in all\), "
             r"giving up in (\d+) s \(distributed\.timeout_s\)",
             line,
         )
@@ -339,24 +379,18 @@ def test_rank_0_waiting_for_a_rank_that_never_joins_says_so_then_gives_up_in_one
     left = [int(m[1]) for m in found if m]
     assert left[0] in (WAIT_TIMEOUT - 2, WAIT_TIMEOUT - 3) and all(a - b in (1, 2, 3) for a, b in zip(left, left[1:]))
     assert re.fullmatch(
-        rf"dtrain: error: rank 0: the 2 ranks did not meet at 127\.0\.0\.1:{port} within {WAIT_TIMEOUT + 3} s "
+        rf"dtrain: error: rank 0: the 2 ranks did not meet at {re.escape(address_port)} within {WAIT_TIMEOUT + 3} s "
         r"\(.*1/2 clients joined\): start every rank, or raise distributed\.timeout_s",
         last,
     ), text
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["c10d", "static"])
-def test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line(tmp_path, static):
+def test_a_node_whose_peers_never_come_says_so_then_gives_up_in_one_line(waited, static):
     """The first node of --nnodes 2 serves the rendezvous and nobody joins: 2 s into the wait it says
     what it waits for (under c10d how many nodes; --node-rank 0's store keeps its count out of reach),
     again at a slow pace, and after --rdzv-timeout gives up in one line."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    code, lines = timed_output(
-        [sys.executable, "-m", "dtrain", "run", *JOB, "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint]
-        + ["--rdzv-timeout", str(WAIT_TIMEOUT), f"run.dir={tmp_path / 'run'}"]
-        + (["--node-rank", "0"] if static else []),
-        extra_env=WAIT_ENV,
-    )
+    endpoint, _, code, lines = waited["nodes", static]
     assert code == 2, lines
     where = re.escape(endpoint)
     what = "the other nodes" if static else "1 more node"
