@@ -196,3 +196,16 @@ def solo():
     """A warm process for `dtrain run ...` jobs of one process whose outputs a test reads (tests/pool.py)."""
     yield from _warm_workers(1)
 
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory) -> Path:
+    """A fresh folder holding a clean clone's examples/ where the README's quick-start job has run to
+    its end, as written (a real `dtrain run`): what the README test goes on from and the front door's
+    reruns read. A test that changes it works on a copy."""
+    from helpers import QUICK_START, ROOT, ok, run
+
+    folder = tmp_path_factory.mktemp("quick")
+    shutil.copytree(ROOT / "examples", folder / "examples")
+    said = ok(run(QUICK_START, cwd=folder))
+    assert "error" not in said.stderr.lower(), said.stderr
+    return folder

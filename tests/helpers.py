@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 TIMEOUT = 240  # seconds: a hung distributed test fails instead of stalling the suite
 # A small synthetic job on the command line, as a user types it: `dtrain("run", *SMALL_JOB, ...)`.
+# The README quick start's job, as its first command types it (tests/test_readme_commands.py holds
+# the README to it).
+QUICK_START = [sys.executable, "-m", "dtrain", "run", "examples/digits_mlp.toml", "--nproc", "2"]
 SMALL_JOB = [
     "examples/digits_mlp.toml",
     "data.name=synthetic",

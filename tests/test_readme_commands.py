@@ -1,7 +1,8 @@
-"""The README's front door as a newcomer meets it, in one fresh folder and in order: the quick start's job,
-the Usage commands, the Python API snippet, the `dtrain launch` example and the Checkpoints section's
-commands, each run as written — none may be refused by what came before — and then the quick start once
-more (the run is complete: one line, exit 0) and with more epochs (it trains on from its end)."""
+"""The README's front door as a newcomer meets it, in one fresh folder and in order: the quick start's job
+(run as written by the `quick_start` fixture, which the front door's tests share), the Usage commands,
+the Python API snippet, the `dtrain launch` example and the Checkpoints section's commands, each run as
+written — none may be refused by what came before — and then the quick start once more (the run is
+complete: one line, exit 0) and with more epochs (it trains on from its end)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shlex
 import shutil
 import sys
 
-from helpers import ROOT, fake_mnist, ok, run
+from helpers import QUICK_START, ROOT, fake_mnist, ok, run
 
 
 def _bash_blocks_after(readme: str, heading: str, language: str = "bash") -> list[list[str]]:
@@ -46,9 +47,11 @@ def _train_steps(run_dir) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_every_readme_example_runs_as_written_in_order_then_the_quick_start_is_complete_and_trains_on(tmp_path):
+def test_every_readme_example_runs_as_written_in_order_then_the_quick_start_is_complete_and_trains_on(
+    quick_start, tmp_path
+):
     readme = (ROOT / "README.md").read_text()
-    quick_start = [line for line in _bash_blocks_after(readme, "## Quick start")[0] if "dtrain run" in line]
+    first = [line for line in _bash_blocks_after(readme, "## Quick start")[0] if "dtrain run" in line]
     # "A job from a config" opens with the synopsis, then a blank line, then the commands to type.
     block = _bash_blocks_after(readme, "### A job from a config")[0]
     usage = block[block.index("") + 1 :]
@@ -56,13 +59,15 @@ def test_every_readme_example_runs_as_written_in_order_then_the_quick_start_is_c
     [snippet] = _bash_blocks_after(readme, api_section, "python")[:1]
     launch = _bash_blocks_after(readme, api_section)[0]
     checkpoints = _bash_blocks_after(readme, "## Checkpoints, resume and failures")[0]
-    assert len(quick_start) == 1 and len(usage) >= 4 and len(launch) == 1 and len(checkpoints) == 4
-
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # a clean clone's files, nothing else
+    assert len(first) == 1 and len(usage) >= 4 and len(launch) == 1 and len(checkpoints) == 4
+    # The first command (the quick start's job, run as written in a clean clone's files) is the shared
+    # fixture's: the rest go on from its folder.
+    assert _command(first[0]) == QUICK_START, first
+    shutil.copytree(quick_start, tmp_path, dirs_exist_ok=True)
     fake_mnist(tmp_path / "data" / "mnist")  # the launch example's data, in MNIST's own format
     (tmp_path / "snippet.py").write_text(SNIPPET_NEEDS + "\n".join(snippet) + "\n")
     said = {}
-    for line in quick_start + usage + ["python snippet.py"] + launch + checkpoints:
+    for line in usage + ["python snippet.py"] + launch + checkpoints:
         argv = [sys.executable, "snippet.py"] if line == "python snippet.py" else _command(line)
         result = ok(run(argv, cwd=tmp_path))
         assert "error" not in result.stderr.lower(), f"{line}\n{result.stderr}"
@@ -77,7 +82,7 @@ def test_every_readme_example_runs_as_written_in_order_then_the_quick_start_is_c
     assert _train_steps(tmp_path / "runs" / "ckpt")[-1] == 360
 
     # The quick start again: complete, said once by the launcher (no worker started, nothing written).
-    quick = _command(quick_start[0])
+    quick = _command(first[0])
     run_dir = tmp_path / "runs" / "digits_mlp"
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     again = ok(run(quick, cwd=tmp_path))

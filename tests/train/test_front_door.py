@@ -1,20 +1,17 @@
 """The quick start's command, run again as a new user does: with its config untouched, a finished run says
 it is complete (exit 0, no worker started), more epochs train on from its end with each step logged once,
-and `--resume` where there is nothing to resume says which case it is. One finished quick-start run is
-shared by the cases that only read it; those that change it train on a copy."""
+and `--resume` where there is nothing to resume says which case it is. One finished quick-start run (the
+`quick_start` fixture, shared with the README's test) serves the cases that only read it; those that
+change it train on a copy."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-import pytest
+from helpers import QUICK_START, SMALL_JOB, ok, run
 
-from helpers import ROOT, SMALL_JOB, ok, run
-
-QUICK_START = [sys.executable, "-m", "dtrain", "run", "examples/digits_mlp.toml", "--nproc", "2"]
 COMPLETE = (
     "dtrain: run.dir runs/digits_mlp is already complete (step 240 of 240, epoch 20 of 20); nothing to train — raise "
     "training.epochs or training.max_steps to train on"
@@ -39,15 +36,6 @@ def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
         accumulator.Reload()
         steps += [event.step for event in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
     return steps
-
-
-@pytest.fixture(scope="module")
-def quick_start(tmp_path_factory) -> Path:
-    """A folder where the quick start's job has run to its end, as written."""
-    folder = tmp_path_factory.mktemp("quick")
-    shutil.copytree(ROOT / "examples", folder / "examples")
-    ok(run(QUICK_START, cwd=folder))
-    return folder
 
 
 def copy_of(quick_start: Path, tmp_path: Path) -> Path:
