@@ -19,6 +19,8 @@ import pytest
 
 _starts: Counter[str] = Counter()
 _current = {"test": "(collection)"}
+_cpu_at_start: dict[str, tuple[int, int]] = {}
+_over: list[str] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,9 +44,20 @@ def pytest_configure(config: pytest.Config) -> None:
     multiprocessing.process.BaseProcess.start = counted_start  # type: ignore[method-assign]
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of every core of the machine so far (Linux), or (0, 0)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(t) for t in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     _current["test"] = item.nodeid
+    _cpu_at_start[item.nodeid] = _cpu_ticks()
     yield
     _current["test"] = "(between tests)"
 
@@ -53,6 +66,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 def pytest_runtest_makereport(item: pytest.Item, call):
     if call.when == "teardown":  # before the report is made: it takes the properties with it
         item.user_properties.append(("processes", _starts[item.nodeid]))
+        # How busy the machine's cores were during the test: a low share marks a test that mostly waits
+        # (timeouts, grace periods, a peer that never comes), which could wait beside another.
+        (busy0, all0), (busy1, all1) = _cpu_at_start.pop(item.nodeid), _cpu_ticks()
+        item.user_properties.append(("cpu_busy", round((busy1 - busy0) / (all1 - all0), 2) if all1 > all0 else 0))
     yield
 
 
@@ -67,6 +84,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     total = sum(_starts.values())
     budget = int(config.getini("process_budget") or 0)
     terminalreporter.write_line(f"processes started by the tests: {total} (budget for the whole suite: {budget})")
+    for line in _over:
+        terminalreporter.write_line(line, red=True)
     if config.getoption("--process-report"):
         for test, n in _starts.most_common(30):
             terminalreporter.write_line(f"{n:5d}  {test}")
@@ -77,10 +96,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     budget = int(session.config.getini("process_budget") or 0)
     if budget and _whole_suite(session) and total > budget and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(
-                f"FAILED: the suite started {total} processes, over its budget of {budget} (process_budget in "
-                "pyproject.toml): share a run, answer in-process, or raise the budget with a reason",
-                red=True,
-            )
+        _over.append(  # said by the terminal summary, which comes after this hook
+            f"FAILED: the suite started {total} processes, over its budget of {budget} (process_budget in "
+            "pyproject.toml): share a run, answer in-process, or raise the budget with a reason"
+        )

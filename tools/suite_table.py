@@ -4,11 +4,13 @@ runs, side by side.
     python -m pytest -q --junitxml=after.xml
     python tools/suite_table.py after.xml                 # one run: modules, slowest first
     python tools/suite_table.py before.xml after.xml      # before and after, and the change
+    python tools/suite_table.py after.xml --waiting 20    # the 20 tests that left the cores idlest
 
 Time is a test's setup, call and teardown together (pytest's junit_duration_report default), summed
 per module; a module-scoped fixture's setup counts in its first test. Processes are those the tests
 start themselves (tests/process_budget.py records them; "–" where the run did not). The last row is the
-suite.
+suite. `--waiting` ranks tests by their seconds times the share of the machine's cores left idle
+(process_budget.py's cpu_busy): the tests that mostly wait, which could wait beside each other.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ def modules(junit: Path) -> dict[str, Module]:
             if prop.get("name") == "processes":
                 module.processes = (module.processes or 0) + int(prop.get("value", 0))
     return found
+
+
+def waiting(junit: Path, n: int) -> str:
+    """The `n` tests with the most idle-core seconds (their time × the share of the cores left idle)."""
+    idle = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        busy = next((float(p.get("value", 0)) for p in case.iter("property") if p.get("name") == "cpu_busy"), None)
+        if busy is not None:
+            seconds = float(case.get("time", 0) or 0)
+            idle.append((seconds * (1 - busy), seconds, busy, f"{case.get('classname')}::{case.get('name')}"))
+    rows = ["| idle seconds | seconds | cores busy | test |", "| ---: | ---: | ---: | --- |"]
+    rows += [f"| {i:.0f} | {s:.0f} | {b:.0%} | {name} |" for i, s, b, name in sorted(idle, reverse=True)[:n]]
+    return "\n".join(rows)
 
 
 def _suite(run: dict[str, Module]) -> Module:
@@ -79,13 +94,14 @@ def table(runs: list[dict[str, Module]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("junit", nargs="+", type=Path, help="one JUnit XML file, or two: before and after")
+    parser.add_argument("--waiting", type=int, metavar="N", help="list the N tests that left the cores idlest")
     args = parser.parse_args(argv)
     if len(args.junit) > 2:
         parser.error("give one JUnit XML file, or two (before, after)")
     for path in args.junit:
         if not path.is_file():
             parser.error(f"{path} does not exist; write one with python -m pytest --junitxml={path}")
-    print(table([modules(path) for path in args.junit]))
+    print(waiting(args.junit[-1], args.waiting) if args.waiting else table([modules(path) for path in args.junit]))
     return 0
 
 
