@@ -1,4 +1,4 @@
-"""Jobs of `dtrain run ... --nproc N`, `dtrain launch --nproc N SCRIPT` and `torchrun SCRIPT` on warm
+"""Jobs of `dtrain run|eval ... --nproc N`, `dtrain launch --nproc N SCRIPT` and `torchrun SCRIPT` on warm
 workers (tests/workers/pool_worker.py), for the tests that read what a run wrote (its metrics, weights,
 checkpoints, a resume's result) rather than prove the launcher: the same worker code path on an
 N-process gloo group under dtrain's launcher, without a launcher, N Pythons and `import torch` per
@@ -36,7 +36,7 @@ def without_nproc(args) -> tuple[list[str], int]:
 class Pool:
     """`pool.run("run", CONFIG, *overrides, "--nproc", "2")`: what `helpers.dtrain` returns for that job
     (exit status, then each rank's output one after the other), run on the warm workers. A pool of 1
-    (`Pool(1)`) takes the `dtrain run` jobs of one process: no launcher, no group."""
+    (`Pool(1)`) takes the `dtrain run` and `dtrain eval` jobs of one process: no launcher, no group."""
 
     def __init__(self, nproc: int = 2) -> None:
         self.nproc = nproc
@@ -61,7 +61,8 @@ class Pool:
 
     def run(self, *args: str, cwd: Path | None = None, extra_env: dict[str, str] | None = None):
         argv, nproc = without_nproc(args)
-        assert nproc == self.nproc and (argv[:1] == ["run"] or (argv[:1] == ["launch"] and nproc > 1)), args
+        commands = ("run", "eval", "launch") if nproc > 1 else ("run", "eval")  # a script of 1: torchrun's group
+        assert nproc == self.nproc and argv[0] in commands, args
         return self._job({"argv": argv}, ["dtrain", *args], cwd, extra_env)
 
     def torchrun(self, script: str | Path, *args: str, cwd: Path | None = None):

@@ -37,17 +37,18 @@ JOB = [
 STEPS = 20  # 320 training samples (the rest evaluates), 8 a rank
 
 
-def run_job(run_dir: Path, *extra: str):
-    return dtrain("run", *JOB, f"run.dir={run_dir}", *extra)
+def run_job(start, run_dir: Path, *extra: str):
+    """The job into `run_dir`, started by `start` (the warm fixture: these runs are read, not signalled)."""
+    return start("run", *JOB, f"run.dir={run_dir}", *extra)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(warm, tmp_path_factory):
     """The job checkpointed every 4 steps, synchronously and in the background."""
     synchronous, background = tmp_path_factory.mktemp("synchronous"), tmp_path_factory.mktemp("background")
-    sync_said = ok(run_job(synchronous, "checkpoint.every_steps=4", "checkpoint.keep=10")).stderr
+    sync_said = ok(run_job(warm, synchronous, "checkpoint.every_steps=4", "checkpoint.keep=10")).stderr
     async_said = ok(
-        run_job(background, "checkpoint.every_steps=4", "checkpoint.keep=10", "checkpoint.async=true")
+        run_job(warm, background, "checkpoint.every_steps=4", "checkpoint.keep=10", "checkpoint.async=true")
     ).stderr
     return synchronous, background, sync_said, async_said
 
@@ -99,7 +100,7 @@ def test_kill_9_at_random_moments_of_background_writes_never_leaves_a_bad_sealed
     assert result["resumed"][-1] >= 5 and result["mid_write"] >= 5, result
 
 
-def test_two_ranks_killed_or_stopped_during_background_writes_resume_to_the_same_weights(runs, tmp_path):
+def test_two_ranks_killed_or_stopped_during_background_writes_resume_to_the_same_weights(warm, runs, tmp_path):
     """kill -9 of the whole job twice while a checkpoint is being written, then SIGTERM while one is:
     a sealed checkpoint intact each time, SIGTERM's exit 75, and the same command ends with the
     weights of the synchronous run that was never interrupted."""
@@ -148,7 +149,7 @@ def test_two_ranks_killed_or_stopped_during_background_writes_resume_to_the_same
     stopped = newest()
     assert f"stopped by SIGTERM at step {stopped}" in err and stopped < STEPS
     assert not list(root.glob(".partial-*")) and (root / f"step-{stopped}" / MARKER).is_file()
-    resumed = ok(run_job(tmp_path, "checkpoint.every_steps=1", "checkpoint.async=true"))
+    resumed = ok(run_job(warm, tmp_path, "checkpoint.every_steps=1", "checkpoint.async=true"))
     assert f"resumed from {root / f'step-{stopped}'}" in resumed.stderr
     a, b = weights(synchronous), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -311,7 +311,7 @@ def test_under_fsdp_sigterm_and_kill_9_leave_a_checkpoint_the_run_resumes_from(p
     assert_same_weights(reference_fsdp, killed)
 
 
-def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(warm, tmp_path):
     wide = [
         "examples/digits_mlp.toml",
         "data.name=synthetic",
@@ -348,8 +348,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_pat
     interrupted = int(partial()[0].name.split("-")[-1])
     newest = CheckpointStore(tmp_path).newest()
     assert newest is not None and newest.step < interrupted
-    resumed = dtrain("run", *wide)
-    ok(resumed)
+    resumed = ok(warm("run", *wide))
     assert f"resumed from {newest.path}" in resumed.stderr
     assert not partial()  # cleaned up
     assert CheckpointStore(tmp_path).newest().step == 10
@@ -613,7 +612,7 @@ def small_disk(tmp_path):
     unmount(mount)
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path):
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(warm, small_disk, tmp_path):
     # ~1.1 MB a checkpoint (weights + momentum): the first fits in 3 MB, the second does not.
     job = [
         "examples/digits_mlp.toml",
@@ -641,19 +640,19 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp
     assert not list(store.root.glob(".partial-*"))
     # The surviving checkpoint loads: resume it on a disk with room.
     moved = copy_run(run_dir, tmp_path / "roomy")
-    resumed = ok(dtrain("run", *job, f"run.dir={moved}"))
+    resumed = ok(warm("run", *job, f"run.dir={moved}"))
     assert re.search(r"^resumed from \S+/checkpoints/step-4 \(step 4 of 8, epoch 2 of 4\)$", resumed.stderr, re.M), (
         resumed.stderr
     )
 
 
-def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(small_disk, tmp_path):
+def test_a_disk_filling_up_before_the_final_save_keeps_the_trained_weights(warm, small_disk, tmp_path):
     """The disk was roomy at the start (the launcher checks), fills up during training: neither the final
     weights nor a checkpoint fit, so the weights go to the system's temporary folder, and one line says
     where. They are the very weights the run trained."""
     big = MODEL.replace("32", "20000")  # 1.4 MB of weights, 2.7 MB a checkpoint: neither fits in what is left
     reference = tmp_path / "reference"
-    ok(dtrain("run", *JOB, big % "", "--nproc", "2", f"run.dir={reference}"))
+    ok(warm("run", *JOB, big % "", "--nproc", "2", f"run.dir={reference}"))
     spare = tmp_path / "spare"  # "another disk": where the system's temporary folder is
     spare.mkdir()
     run_dir = small_disk / "run"

@@ -55,26 +55,22 @@ def gpt_ddp(warm, prepared, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gpt_fsdp(prepared, tmp_path_factory):
+def gpt_fsdp(warm, prepared, tmp_path_factory):
     """The built-in GPT on 2 processes under FSDP (its checkpoints sharded), exported afterwards."""
     run_dir = tmp_path_factory.mktemp("gpt_fsdp")
-    ok(
-        run_dtrain(
-            "run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "distributed.strategy=fsdp", "--nproc", "2"
-        )
-    )
+    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "distributed.strategy=fsdp", "--nproc", "2"))
     ok(run_dtrain("export", str(run_dir), "--format", "hf"))
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def hf_runs(tmp_path_factory):
+def hf_runs(warm, tmp_path_factory):
     """A Hugging Face GPT-2 under DDP and a Llama-style model under FSDP, each on 2 processes."""
     runs = {}
     for kind, strategy in (("gpt2", "ddp"), ("llama", "fsdp")):
         runs[kind] = tmp_path_factory.mktemp(kind)
         script = str(WORKERS / "hf_models.py")
-        ok(run_dtrain("launch", "--nproc", "2", script, kind, str(runs[kind]), f"distributed.strategy={strategy}"))
+        ok(warm("launch", "--nproc", "2", script, kind, str(runs[kind]), f"distributed.strategy={strategy}"))
     return runs
 
 

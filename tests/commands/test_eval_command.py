@@ -1,6 +1,7 @@
 """`dtrain eval RUN_DIR [--step N]`: a checkpoint's eval metrics without training, through the real CLI and
-launcher. One small run (checkpoints and evaluations every 5 steps) serves most checks; the numbers
-`dtrain eval` gives are compared with those the run itself logged to metrics.jsonl."""
+launcher where it evaluates on 2 processes (elsewhere on the warm workers, tests/pool.py). One small run
+(checkpoints and evaluations every 5 steps) serves most checks; the numbers `dtrain eval` gives are
+compared with those the run itself logged to metrics.jsonl."""
 
 import json
 import os
@@ -23,9 +24,10 @@ def trained(solo, tmp_path_factory):
     return run_dir, {line["step"]: line for line in eval_lines(run_dir)}
 
 
-def evaluated(run_dir, out: Path, *args: str, **kwargs) -> dict:
-    """`dtrain eval RUN_DIR ARGS --out OUT`: the metrics it wrote (and the line it said)."""
-    result = ok(dtrain("eval", str(run_dir), *args, "--out", str(out), **kwargs))
+def evaluated(start, run_dir, out: Path, *args: str, **kwargs) -> dict:
+    """`dtrain eval RUN_DIR ARGS --out OUT` started by `start` (helpers.dtrain: the real command and
+    launcher; `warm`: on the warm workers): the metrics it wrote (and the line it said)."""
+    result = ok(start("eval", str(run_dir), *args, "--out", str(out), **kwargs))
     record = json.loads(out.read_text())
     assert result.stdout.startswith(f"{run_dir} checkpoint step-{record['step']} | eval_loss ")
     return record
@@ -41,9 +43,9 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     }
 
 
-def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logged(trained, tmp_path):
+def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logged(warm, trained, tmp_path):
     run_dir, logged = trained
-    newest = evaluated(run_dir, tmp_path / "newest.json")
+    newest = evaluated(warm, run_dir, tmp_path / "newest.json")
     assert newest["step"] == 30 and newest["world_size"] == 1
     assert 0 < logged[30]["eval_f1"] < 1  # training.eval_metrics: the run's records and dtrain eval carry it
     console = (run_dir.parent / "console.txt").read_text()  # and the run's console eval line shows it
@@ -51,17 +53,17 @@ def test_eval_of_the_newest_and_of_a_chosen_step_give_exactly_what_the_run_logge
         x for x in console.splitlines() if x.startswith("step 30 |") and "eval_loss" in x
     )
     assert {k: newest[k] for k in logged_metrics(logged[30])} == logged_metrics(logged[30])
-    at_20 = evaluated(run_dir, tmp_path / "20.json", "--step", "20")
+    at_20 = evaluated(warm, run_dir, tmp_path / "20.json", "--step", "20")
     assert at_20["step"] == 20
     assert {k: at_20[k] for k in logged_metrics(logged[20])} == logged_metrics(logged[20])
     assert at_20["eval_loss"] != newest["eval_loss"]  # the step's own weights, not the newest
 
 
-def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_run_dir(trained, tmp_path):
+def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_run_dir(warm, trained, tmp_path):
     run_dir, logged = trained
     before = snapshot(run_dir)
-    one = evaluated(run_dir, tmp_path / "one.json", "--step", "25")
-    two = evaluated(run_dir, tmp_path / "two.json", "--step", "25", "--nproc", "2")
+    one = evaluated(warm, run_dir, tmp_path / "one.json", "--step", "25")
+    two = evaluated(dtrain, run_dir, tmp_path / "two.json", "--step", "25", "--nproc", "2")
     assert two["world_size"] == 2 and two["eval_samples"] == one["eval_samples"] == logged[25]["eval_samples"]
     assert two["eval_accuracy"] == one["eval_accuracy"] and two["eval_f1"] == one["eval_f1"] == logged[25]["eval_f1"]
     # Float32 batch means over other batches (each rank's share): equal to float32's precision, not bit for bit.
@@ -70,14 +72,14 @@ def test_eval_on_two_processes_equals_eval_on_one_and_writes_nothing_into_the_ru
     assert snapshot(run_dir) == before
 
 
-def test_a_run_still_training_is_evaluated_with_an_override_of_its_config(trained, tmp_path):
+def test_a_run_still_training_is_evaluated_with_an_override_of_its_config(warm, trained, tmp_path):
     from dtrain.rundir.lock import RunDirLock
 
     run_dir, _ = trained
     training = RunDirLock(run_dir)  # held as a live run holds it: eval neither waits for it nor takes it
     training.acquire()
     try:
-        capped = evaluated(run_dir, tmp_path / "capped.json", "training.eval_batches=1", "data.eval_batch_size=8")
+        capped = evaluated(warm, run_dir, tmp_path / "capped.json", "training.eval_batches=1", "data.eval_batch_size=8")
         assert training.held()
     finally:
         training.release(remove_if_created=True)
@@ -120,14 +122,14 @@ def test_a_damaged_checkpoint_is_named_in_one_line(cli, trained, tmp_path):
     assert lines[0].startswith(f"dtrain: error: checkpoint step-30 is damaged: {shard} is truncated"), lines[0]
 
 
-def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(pool, tmp_path):
+def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(warm, pool, tmp_path):
     run_dir = tmp_path / "fsdp"
     fsdp = ["distributed.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]
     ok(pool.run("run", *SMALL_JOB, *EVERY_5, *fsdp, f"run.dir={run_dir}"))
     logged = {line["step"]: line for line in eval_lines(run_dir)}
-    two = evaluated(run_dir, tmp_path / "two.json", "--step", "5", "--nproc", "2")
+    two = evaluated(dtrain, run_dir, tmp_path / "two.json", "--step", "5", "--nproc", "2")
     assert {k: two[k] for k in logged_metrics(logged[5])} == logged_metrics(logged[5])  # its world size: exact
-    one = evaluated(run_dir, tmp_path / "one.json", "--step", "5")  # the sharded checkpoint, resharded to one
+    one = evaluated(warm, run_dir, tmp_path / "one.json", "--step", "5")  # the sharded checkpoint, resharded to one
     assert one["eval_samples"] == logged[5]["eval_samples"] and one["eval_accuracy"] == logged[5]["eval_accuracy"]
     assert abs(one["eval_loss"] - logged[5]["eval_loss"]) < 1e-6
 
@@ -152,12 +154,12 @@ def test_a_run_of_a_script_is_refused_in_one_line(cli, tmp_path):
     assert "dtrain eval evaluates runs of `dtrain run CONFIG` only" in lines[0]
 
 
-def test_a_run_dir_url_is_evaluated_read_only(trained, s3, tmp_path):
+def test_a_run_dir_url_is_evaluated_read_only(warm, trained, s3, tmp_path):
     run_dir, logged = trained
     s3.filesystem().put(str(run_dir) + "/", f"{s3.bucket}/runs/eval", recursive=True)
     url, machine = s3.url("runs/eval"), {**s3.env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     before = sorted(s3.filesystem().find(f"{s3.bucket}/runs/eval"))
-    at_25 = evaluated(url, tmp_path / "25.json", "--step", "25", extra_env=machine)
+    at_25 = evaluated(warm, url, tmp_path / "25.json", "--step", "25", extra_env=machine)
     assert {k: at_25[k] for k in logged_metrics(logged[25])} == logged_metrics(logged[25])
     assert sorted(s3.filesystem().find(f"{s3.bucket}/runs/eval")) == before  # no lease, nothing written
     assert not os.listdir(tmp_path / "cache" / "dtrain" / "run-reads")  # the local copy removed after

@@ -2,10 +2,7 @@
 loopback (moto's server mode, tests/s3server.py), found by dtrain and its torchrun workers through boto's
 usual environment, as a real store would be. Nothing of fsspec, s3fs or boto is mocked."""
 
-import shutil
-import sysconfig
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +11,6 @@ from dtrain.data.batch import BatchGatherer
 from dtrain.data.tokens import TokenWindows
 from helpers import dtrain, env, eval_lines, ok, train_lines, weights
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 GPT = [
     "examples/gpt_stdlib.toml",
     "data.block_size=32",
@@ -30,13 +26,9 @@ GPT = [
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
+def prepared(json_bpe_tokens):
     """`dtrain prepare text` output (a BPE tokenizer and shards of one standard-library package)."""
-    corpus = tmp_path_factory.mktemp("corpus")
-    shutil.copytree(STDLIB / "json", corpus / "json", ignore=shutil.ignore_patterns("__pycache__"))
-    out = tmp_path_factory.mktemp("tokens") / "bpe"
-    ok(dtrain("prepare", "text", str(corpus), "--out", str(out), "--vocab-size", "400", "--val-fraction", "0.2"))
-    return out
+    return json_bpe_tokens
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +53,11 @@ def test_windows_read_from_the_bucket_are_the_local_folders(s3, prepared, upload
 
 
 @pytest.fixture(scope="module")
-def runs(s3, prepared, uploaded, tmp_path_factory):
+def runs(warm, s3, prepared, uploaded, tmp_path_factory):
     """The same 2-process GPT run on the local folder and on the bucket."""
     local, remote = tmp_path_factory.mktemp("local"), tmp_path_factory.mktemp("remote")
-    ok(dtrain("run", *GPT, f"data.path={prepared}", f"run.dir={local}", "--nproc", "2"))
-    result = ok(dtrain("run", *GPT, f"data.path={uploaded}", f"run.dir={remote}", "--nproc", "2", extra_env=s3.env))
+    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={local}", "--nproc", "2"))
+    result = ok(warm("run", *GPT, f"data.path={uploaded}", f"run.dir={remote}", "--nproc", "2", extra_env=s3.env))
     return local, remote, result
 
 

@@ -199,7 +199,7 @@ def test_a_resumed_run_continues_its_tracker_runs(warm, tmp_path, monkeypatch):
     assert {**wandb_history(parts[0]), **wandb_history(parts[1])} == pytest.approx(expected)
 
 
-def test_a_run_resumed_behind_what_it_logged_logs_into_new_tracker_runs(tmp_path, monkeypatch):
+def test_a_run_resumed_behind_what_it_logged_logs_into_new_tracker_runs(warm, tmp_path, monkeypatch):
     """Rank 1 is killed at its 6th step: the run had logged steps 1-5, its checkpoint is step 3. MLflow's
     run reads FAILED and W&B's exit code is 1, rather than both saying the run finished. The rerun resumes
     from step 3; neither tracker can take steps 4-5 back, so it logs into new runs tagged
@@ -230,7 +230,7 @@ def test_a_run_resumed_behind_what_it_logged_logs_into_new_tracker_runs(tmp_path
     _, (_, unended) = mlflow_runs(tmp_path / "mlruns", monkeypatch)
     assert unended.info.status == "RUNNING"  # nobody left to end it
 
-    resumed = ok(dtrain("run", *job, extra_env=OFFLINE))
+    resumed = ok(warm("run", *job, extra_env=OFFLINE))
     assert resumed.stderr.count(line) == 1, resumed.stderr
     expected = logged(tmp_path)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
@@ -286,7 +286,7 @@ def wait_for_steps(proc, run_dir, steps):
         time.sleep(0.05)
 
 
-def test_a_preempted_run_is_killed_with_exit_code_75_and_its_resume_continues_it(tmp_path, monkeypatch):
+def test_a_preempted_run_is_killed_with_exit_code_75_and_its_resume_continues_it(warm, tmp_path, monkeypatch):
     """SIGTERM (a scheduler's preemption): MLflow's run reads KILLED, W&B's exit code is 75 (the requeue
     status). The checkpoint is at the last logged step, so the rerun continues the same tracker runs and
     ends them FINISHED, each step once."""
@@ -305,7 +305,7 @@ def test_a_preempted_run_is_killed_with_exit_code_75_and_its_resume_continues_it
 
     again = [f"run.dir={tmp_path}", BOTH, "training.epochs=4", "model.name=faults:dying_mlp"]
     again.append("model.options={hidden_size = 16}")
-    resumed = ok(dtrain("run", *JOB, *again, extra_env=OFFLINE))
+    resumed = ok(warm("run", *JOB, *again, extra_env=OFFLINE))
     assert f"resumed from {tmp_path / 'checkpoints'}/step-{stopped_at}" in resumed.stderr, resumed.stderr
     assert "resumed_from_step" not in resumed.stderr, resumed.stderr
     _, (only,) = mlflow_runs(tmp_path / "mlruns", monkeypatch)

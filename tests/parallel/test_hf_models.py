@@ -7,27 +7,28 @@ import math
 
 import pytest
 
-from helpers import WORKERS, dtrain, ok, train_lines
+from helpers import WORKERS, ok, train_lines
 
 pytest.importorskip("transformers")  # the test extra installs it
 
 SCRIPT = str(WORKERS / "hf_gpt2.py")
 
 
-def launch_gpt2(out, *overrides: str) -> dict:
-    ok(dtrain("launch", "--nproc", "2", SCRIPT, str(out), *overrides))
+def launch_gpt2(warm, out, *overrides: str) -> dict:
+    """`dtrain launch --nproc 2 SCRIPT` on the warm workers (tests/pool.py); the facts the script wrote."""
+    ok(warm("launch", "--nproc", "2", SCRIPT, str(out), *overrides))
     return json.loads((out / "facts.json").read_text())
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_activation_checkpointing_of_a_hugging_face_model_is_its_own(strategy, tmp_path):
+def test_activation_checkpointing_of_a_hugging_face_model_is_its_own(warm, strategy, tmp_path):
     """training.activation_checkpointing on a model with its own (GPT-2's gradient_checkpointing_enable)
     turns that on, cache off, rather than wrapping its blocks a second way; it takes the plain steps."""
-    plain = launch_gpt2(tmp_path / "plain", f"distributed.strategy={strategy}")
+    plain = launch_gpt2(warm, tmp_path / "plain", f"distributed.strategy={strategy}")
     assert not plain["checkpointing"]
     for mode in ("full", "selective"):
         facts = launch_gpt2(
-            tmp_path / mode, f"distributed.strategy={strategy}", f"training.activation_checkpointing={mode}"
+            warm, tmp_path / mode, f"distributed.strategy={strategy}", f"training.activation_checkpointing={mode}"
         )
         assert facts["checkpointing"] and all(facts["blocks_checkpointing"]), facts
         assert not any(facts["forward_replaced"]) and facts["use_cache"] is False, facts

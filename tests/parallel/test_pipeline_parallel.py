@@ -16,7 +16,6 @@ from helpers import (
     ROOT,
     TIMEOUT,
     assert_weights_close,
-    dtrain,
     env,
     eval_lines,
     gpt_on_tokens,
@@ -120,21 +119,21 @@ def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(warm
     assert_weights_close(weights(tmp_path / "whole"), weights(run_dir), atol=0, rtol=0)
 
 
-def test_two_pipelines_of_two_stages_train_as_one_process(one_process, tokens, tmp_path):
+def test_two_pipelines_of_two_stages_train_as_one_process(warm, one_process, tokens, tmp_path):
     """pp 2 × dp 2 (4 processes, each stage replicated over 2), each replica taking half of one process's
     batch: the stages' gradients averaged over their copies."""
-    ok(dtrain(*job(tokens, tmp_path, "distributed.pp_schedule=1f1b", nproc=4, batch=2)))
+    ok(warm(*job(tokens, tmp_path, "distributed.pp_schedule=1f1b", nproc=4, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(one_process, tokens, tmp_path, strategy):
+def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(warm, one_process, tokens, tmp_path, strategy):
     """3-D: pp 2 × dp 2 × tp 2 (8 tiny processes), each replica taking half of one process's batch. Each
     stage's layers split over its 2 tp processes; under ddp the stages are replicated (their gradients
     averaged by the pipeline), under fsdp sharded over the 2 replicas as well (FSDP2 after TP, on one
     mesh). The tied embedding and head are summed shard by shard across the stages, the norm taken over
     stages and shards, the weights gathered whole."""
-    ok(dtrain(*job(tokens, tmp_path, "distributed.tp_size=2", f"distributed.strategy={strategy}", nproc=8, batch=2)))
+    ok(warm(*job(tokens, tmp_path, "distributed.tp_size=2", f"distributed.strategy={strategy}", nproc=8, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 

@@ -214,12 +214,12 @@ def whole(warm, tokens, tmp_path_factory):
 
 
 @pytest.mark.parametrize("before, after, accum", [("ddp", ("fsdp", 1), 4), ("fsdp", ("ddp", 4), 1)])
-def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_path, before, after, accum):
+def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(warm, tokens, whole, tmp_path, before, after, accum):
     """Same global batches after the resume (accumulation regrouped, and said), the loss curve the
     uninterrupted run took; from DDP to FSDP and back."""
     strategy, nproc = after
     ok(
-        dtrain(
+        warm(
             "run",
             *GPT,
             f"data.path={tokens}",
@@ -231,7 +231,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
         )
     )
     resumed = ok(
-        dtrain(
+        warm(
             "run",
             *GPT,
             f"data.path={tokens}",
@@ -257,7 +257,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(tokens, whole, tmp_pa
     # The same command again: the run's end was checkpointed by the regrouped run (its own accumulation, not
     # the config's); it is found complete, and nothing trains.
     again = ok(
-        dtrain(
+        warm(
             "run",
             *GPT,
             f"data.path={tokens}",

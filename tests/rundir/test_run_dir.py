@@ -164,7 +164,7 @@ def test_a_run_killed_before_its_first_checkpoint_reruns_with_the_same_command(t
     assert len(event_files(tmp_path)) == 1 and (tmp_path / "model.safetensors").is_file()
 
 
-def test_the_rerun_after_a_hang_keeps_the_hangs_stacks(tmp_path):
+def test_the_rerun_after_a_hang_keeps_the_hangs_stacks(warm, tmp_path):
     """A hang before the first checkpoint (rank 1 stalls at its third step; the watchdog ends the job,
     124, with every rank's stacks in diagnostics/): the rerun replaces the metrics and events of that run,
     which nothing can continue, but keeps its diagnostics — what the rerun is for finding out."""
@@ -178,7 +178,7 @@ def test_the_rerun_after_a_hang_keeps_the_hangs_stacks(tmp_path):
     assert hung.returncode == 124, hung.stderr
     stacks = (tmp_path / "diagnostics" / "rank-1.txt").read_text()
     assert "in stall_here_forever" in stacks
-    rerun = ok(dtrain("run", *job, "model.options={hidden_size = 16}"))
+    rerun = ok(warm("run", *job, "model.options={hidden_size = 16}"))
     replaced = [line for line in rerun.stderr.splitlines() if line.startswith("replaced the outputs")]
     assert replaced == [
         "replaced the outputs of an earlier run that ended before its first checkpoint (no checkpoint, no final "

@@ -149,10 +149,10 @@ def test_fp16_on_cpu_is_refused_clearly(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_main_job(tmp_path):
+def test_the_main_job(warm, tmp_path):
     """The README's first command: the guide's MLP on digits, 2 processes, >= 95% held-out accuracy."""
     run_dir = tmp_path / "digits"
-    ok(dtrain("run", "examples/digits_mlp.toml", "--nproc", "2", "monitor.flops=yes", f"run.dir={run_dir}"))
+    ok(warm("run", "examples/digits_mlp.toml", "--nproc", "2", "monitor.flops=yes", f"run.dir={run_dir}"))
 
     final = eval_lines(run_dir)[-1]
     assert final["eval_accuracy"] >= 0.95

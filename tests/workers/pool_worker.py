@@ -94,7 +94,7 @@ def run_command(job: dict) -> tuple[int, bool]:
     if job.get("script"):  # `torchrun SCRIPT ARGS`: the script as each of its processes would run it
         return command(lambda: worker_script.run_script(job["argv"])), True
     argv = job["argv"]
-    if not dist.is_initialized() and argv[0] == "run":  # one process: the command as it is, launcher and worker
+    if not dist.is_initialized():  # one process: the command as it is, launcher and worker in one
         return command(lambda: main(argv)), True
     launching = [launcher_part(argv) if rank() == 0 else None]
     if dist.is_initialized():
