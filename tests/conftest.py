@@ -107,6 +107,8 @@ def cli(capfd, monkeypatch):
             for name, value in (extra_env or {}).items():
                 patch.setenv(name, value)
             capfd.readouterr()  # what came before is not this command's
+            if "s3fs" in sys.modules:  # a new process connects anew, with the credentials this one gives
+                sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
             try:
                 status = main(list(args))
             except SystemExit as exc:  # argparse's own exits

@@ -1,7 +1,9 @@
 """A run.dir on object storage read by the commands that read a run (`dtrain generate`, `report`, `export`),
 export written to a store (`--out s3://…`), and a run that loses its lease while it trains — against a real
 S3 protocol server on loopback (moto's server mode, tests/s3server.py). Nothing of fsspec, s3fs or boto is
-mocked. One GPT run on the bucket serves every read: its local run.dir is a plain download of the bucket."""
+mocked. One GPT run on the bucket serves every read: its local run.dir is a plain download of the bucket.
+The reading commands run in this process (the `cli` fixture: `dtrain.cli.main`, each with the credentials
+its environment gives, as a new process would); the runs that lose their lease are real processes."""
 
 import json
 import os
@@ -15,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, dtrain, env, ok
+from helpers import ROOT, env, ok
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
 
@@ -49,30 +51,30 @@ def prepared(json_bpe_tokens):
 
 
 @pytest.fixture(scope="module")
-def gpt_on_the_bucket(s3, prepared, tmp_path_factory):
+def gpt_on_the_bucket(warm, s3, prepared, tmp_path_factory):
     """(its URL, the same run.dir downloaded to a local folder, a machine's cache) of one GPT run."""
     tmp = tmp_path_factory.mktemp("gpt-url")
     url = s3.url("runs/gpt")
-    ok(dtrain("run", *GPT, f"data.path={prepared}", f"run.dir={url}", extra_env=on(s3, tmp / "trainer")))
+    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={url}", extra_env=on(s3, tmp / "trainer")))
     local = tmp / "local"
     s3.filesystem().get(f"{s3.bucket}/runs/gpt/", str(local), recursive=True)
     os.utime(local / "model.safetensors")  # downloaded last: the final weights are the newest, as on the bucket
     return url, local, tmp / "reader"
 
 
-def test_generate_and_report_on_the_bucket_say_what_they_say_on_the_local_run_dir(s3, gpt_on_the_bucket):
+def test_generate_and_report_on_the_bucket_say_what_they_say_on_the_local_run_dir(s3, gpt_on_the_bucket, cli):
     url, local, reader = gpt_on_the_bucket
     sample = ["--prompt", "def ", "--tokens", "16", "--temperature", "0"]
     here, there = (
-        ok(dtrain("generate", str(local), *sample)),
-        ok(dtrain("generate", url, *sample, extra_env=on(s3, reader))),
+        ok(cli("generate", str(local), *sample)),
+        ok(cli("generate", url, *sample, extra_env=on(s3, reader))),
     )
     assert here.stdout == there.stdout and len(there.stdout) > len("def ") and there.stderr == ""
     # A checkpoint prefix without COMPLETE.json (a write cut short) is never read, even where it is newer.
     s3.filesystem().pipe_file(f"{s3.bucket}/runs/gpt/checkpoints/step-9/state/__0_0.distcp", b"half")
-    assert ok(dtrain("generate", url, *sample, extra_env=on(s3, reader))).stdout == here.stdout
+    assert ok(cli("generate", url, *sample, extra_env=on(s3, reader))).stdout == here.stdout
     assert not [r for r in s3.requests() if r[0] == "GET" and "/step-9/" in r[1]]
-    here, there = ok(dtrain("report", str(local))), ok(dtrain("report", url, extra_env=on(s3, reader)))
+    here, there = ok(cli("report", str(local))), ok(cli("report", url, extra_env=on(s3, reader)))
     summary = here.stdout.splitlines()[:-1]  # the last line names where the plots are
     assert summary and there.stdout.splitlines()[:-1] == summary
     shown = Path(there.stdout.splitlines()[-1].rsplit(" in ", 1)[1])
@@ -90,17 +92,17 @@ def same_export(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_export_from_the_bucket_equals_the_local_export_and_to_the_bucket_loads(s3, gpt_on_the_bucket, tmp_path):
+def test_export_from_the_bucket_equals_the_local_export_and_to_the_bucket_loads(s3, gpt_on_the_bucket, cli, tmp_path):
     from dtrain.checkpoint.hf_export import export_hf  # the local exports: what `dtrain export` runs, here
 
     url, local, reader = gpt_on_the_bucket
     final, at_4 = export_hf(local, tmp_path / "final"), export_hf(local, tmp_path / "at-4", step=4)
-    said = ok(dtrain("export", url, "--format", "hf", "--out", str(tmp_path / "url"), extra_env=on(s3, reader)))
+    said = ok(cli("export", url, "--format", "hf", "--out", str(tmp_path / "url"), extra_env=on(s3, reader)))
     assert said.stdout.startswith(f"{tmp_path / 'url'}: the final weights of {url} as a Hugging Face model folder")
     same_export(final, tmp_path / "url")
     # --out on the bucket: config.json last, after every other object; downloaded, from_pretrained loads it.
     target, prefix = s3.url("exports/gpt"), f"{s3.bucket}/exports/gpt"
-    said = ok(dtrain("export", url, "--format", "hf", "--step", "4", "--out", target, extra_env=on(s3, reader)))
+    said = ok(cli("export", url, "--format", "hf", "--step", "4", "--out", target, extra_env=on(s3, reader)))
     assert said.stdout.startswith(f"{target}: the checkpoint step-4 of {url} as a Hugging Face model folder")
     puts = [p.split("?")[0] for m, p, status in s3.requests() if m == "PUT" and "/exports/gpt/" in p and status == 200]
     assert len(puts) == len(list(at_4.iterdir())) and puts[-1].endswith("/config.json"), puts
@@ -113,7 +115,7 @@ def test_export_from_the_bucket_equals_the_local_export_and_to_the_bucket_loads(
         assert torch.equal(model(ids).logits, reference(ids).logits)
     # Exported again over it: the earlier export replaced (its config.json deleted first), not refused.
     requests_before = len(s3.requests())
-    ok(dtrain("export", url, "--format", "hf", "--out", target, extra_env=on(s3, reader)))
+    ok(cli("export", url, "--format", "hf", "--out", target, extra_env=on(s3, reader)))
     writes = [(m, p.split("?")[0]) for m, p, _ in s3.requests()[requests_before:] if m in ("PUT", "DELETE")]
     writes = [(m, p) for m, p in writes if "/exports/gpt/" in p]
     assert writes[0] == ("DELETE", f"/{prefix}/config.json") and writes[-1] == ("PUT", f"/{prefix}/config.json")
@@ -121,29 +123,29 @@ def test_export_from_the_bucket_equals_the_local_export_and_to_the_bucket_loads(
     same_export(final, tmp_path / "down-final")
 
 
-def test_a_run_dir_url_the_commands_cannot_read_is_one_line(s3, gpt_on_the_bucket, tmp_path):
+def test_a_run_dir_url_the_commands_cannot_read_is_one_line(s3, gpt_on_the_bucket, cli, tmp_path):
     url, _, reader = gpt_on_the_bucket
     extra = on(s3, reader)
     one_line_refusal(
-        dtrain("generate", "s3://no-such-bucket/run", extra_env=extra),
+        cli("generate", "s3://no-such-bucket/run", extra_env=extra),
         "RUN_DIR = 's3://no-such-bucket/run': bucket 'no-such-bucket' does not exist",
     )
     one_line_refusal(
-        dtrain("report", s3.url("runs/nothing-here"), extra_env=extra),
+        cli("report", s3.url("runs/nothing-here"), extra_env=extra),
         f"RUN_DIR {s3.url('runs/nothing-here')} holds nothing",
     )
     one_line_refusal(
-        dtrain("export", url, "--format", "hf", "--step", "9", extra_env=extra),
+        cli("export", url, "--format", "hf", "--step", "9", extra_env=extra),
         f"{url} holds no complete checkpoint step-9 (complete ones: step-4, step-8)",
     )
     wrong = {**extra, "AWS_SECRET_ACCESS_KEY": "AKIAWRONGWRONGWRONG0"}
     one_line_refusal(
-        dtrain("export", url, "--format", "hf", extra_env=wrong),
+        cli("export", url, "--format", "hf", extra_env=wrong),
         f"RUN_DIR = '{url}': the store refused these credentials (",
     )
     s3.filesystem().pipe_file(f"{s3.bucket}/exports/theirs/notes.txt", b"mine")
     one_line_refusal(
-        dtrain("export", url, "--format", "hf", "--out", s3.url("exports/theirs"), extra_env=extra),
+        cli("export", url, "--format", "hf", "--out", s3.url("exports/theirs"), extra_env=extra),
         f"--out {s3.url('exports/theirs')} holds notes.txt, which an export does not write",
     )
     assert not list(reader.glob("dtrain/run-reads/read-*")) and not list(reader.glob("dtrain/run-reads/export-*"))

@@ -158,17 +158,19 @@ def test_a_model_without_parameters_is_refused(solo, tmp_path):
 # --- doctor -------------------------------------------------------------------------------------
 
 
-def test_doctor_reports_the_environment_and_what_looks_wrong():
-    healthy = ok(dtrain("doctor"))
+def test_doctor_reports_the_environment_and_what_looks_wrong(cli):
+    """The report of this machine and its environment, in this process (the `cli` fixture); the next test
+    runs the real command, launching its workers."""
+    healthy = ok(cli("doctor"))
     assert "torch " in healthy.stdout and "backends: gloo yes" in healthy.stdout
     assert "network interfaces: lo 127.0.0.1" in healthy.stdout
     assert "problems: none found" in healthy.stdout
-    broken = dtrain("doctor", extra_env={"GLOO_SOCKET_IFNAME": "nosuchif0", "RANK": "3", "WORLD_SIZE": "2"})
+    broken = cli("doctor", extra_env={"GLOO_SOCKET_IFNAME": "nosuchif0", "RANK": "3", "WORLD_SIZE": "2"})
     assert broken.returncode == 1
     assert "GLOO_SOCKET_IFNAME=nosuchif0 names no interface here (nosuchif0)" in broken.stdout
     assert "RANK=3 with WORLD_SIZE=2 is impossible" in broken.stdout
     assert "RANK=3  — this process's global rank" in broken.stdout
-    malformed = dtrain("doctor", extra_env={"RANK": "x", "WORLD_SIZE": "2"})
+    malformed = cli("doctor", extra_env={"RANK": "x", "WORLD_SIZE": "2"})
     assert malformed.returncode == 1 and "environment variable RANK='x' is not an integer" in malformed.stdout
     for variables, problem in (
         (
@@ -180,7 +182,7 @@ def test_doctor_reports_the_environment_and_what_looks_wrong():
             "WORLD_SIZE=99999999999999999999999 is beyond any job's numbers",
         ),
     ):
-        found = dtrain("doctor", extra_env=variables)
+        found = cli("doctor", extra_env=variables)
         assert found.returncode == 1 and problem in found.stdout, found.stdout
 
 
