@@ -11,6 +11,12 @@ import sysconfig  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Where the environment forbids writing bytecode (PYTHONDONTWRITEBYTECODE), each of the hundreds of
+# processes the tests start would compile dtrain's modules and the test scripts again (~0.2 s of CPU
+# each): here they are compiled once, by whichever process imports them first, as Python's default does.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # Counts the processes each test starts; the whole suite fails past pyproject's process_budget.
 pytest_plugins = ["process_budget"]
 
