@@ -241,6 +241,7 @@ def test_on_one_process_dataloader_workers_split_a_torch_iterable_too(workers):
     data = DataConfig(batch_size=4, num_workers=workers)
     stream = StreamBatches(Counting(24), data, 1, 6, 0, 1, torch.device("cpu")).stream(0)
     ids = [int(i) for _ in range(6) for i in next(stream)[0]]
+    stream.close()  # its DataLoader workers end here, not when some later test's garbage is collected
     assert sorted(ids) == list(range(24))
 
 
