@@ -149,6 +149,21 @@ def pool():
     yield from _warm_workers(2)
 
 
+@pytest.fixture(autouse=True)
+def _dataloader_workers_end_with_their_test():
+    """A DataLoader iterator a test leaves behind keeps its worker processes; collected during some later
+    test, it shuts them down one by one, each join timing out (5 s), and that test sits idle. They end
+    with the test that started them, as multiprocessing ends a process's daemonic children at its exit."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    yield
+    for child in multiprocessing.active_children():
+        if child.daemon and child not in before:
+            child.kill()
+            child.join()
+
+
 @pytest.fixture(scope="session")
 def wide_pools():
     """Warm workers of other sizes (4, 8 processes), started by a module's first job of that size."""

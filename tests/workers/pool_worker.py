@@ -87,11 +87,13 @@ def run_job(job: dict, out: Path, err: Path) -> tuple[int, bool]:
         torch._dynamo.reset()  # a compiled job's graphs are no later job's
         if "s3fs" in sys.modules:  # a new process would connect anew, with the credentials the next job gives
             sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
-        # Its DataLoader workers end with it, as with its process. Killed first: an iterator collected
-        # later waits seconds for each worker to finish its own teardown.
+        # Its daemonic children (DataLoader workers) end with it, as multiprocessing ends them when a
+        # process exits. Killed first: an iterator collected later waits seconds for each worker to
+        # finish its own teardown.
         for child in multiprocessing.active_children():
-            child.kill()
-            child.join()
+            if child.daemon:
+                child.kill()
+                child.join()
         gc.collect()
 
 
