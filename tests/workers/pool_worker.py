@@ -104,19 +104,15 @@ def run_command(job: dict) -> tuple[int, bool]:
     argv = job["argv"]
     if not dist.is_initialized():  # one process: the command as it is, launcher and worker in one
         return command(lambda: main(argv)), True
-    launching = [launcher_part(argv) if rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(launching, src=0)
+    rank = dist.get_rank()
+    launching = [launcher_part(argv) if rank == 0 else None]
+    dist.broadcast_object_list(launching, src=0)
     said, entry = launching[0]
     if entry is None:
-        return (said if rank() == 0 else 0), False
+        return (said if rank == 0 else 0), False
     # What the launcher would start in each worker: `python -m dtrain ...` or `python -m dtrain.worker.script ...`
     module, *args = entry[1:]
     return command(lambda: (main if module == "dtrain" else worker_script.main)(args)), True
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def command(call) -> int:
