@@ -1,8 +1,11 @@
 """The checkpoint folder rules, on real files: sealing, choosing, pruning, verifying, locking."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +113,54 @@ def test_the_run_dir_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     lock = RunDirLock(tmp_path)  # the kernel dropped the dead holder's lock
     lock.acquire()
     lock.release()
+
+
+def _holder(tmp_path, body: str) -> subprocess.Popen:
+    """A process that takes the run.dir lock, runs `body` (python, `lock_fd` in scope) and prints `ready`."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, json, os, socket, sys, time\n"
+            "from pathlib import Path\n"
+            "from dtrain.rundir.lock import RunDirLock\n"
+            f"lock = RunDirLock(Path({str(tmp_path)!r})); lock.acquire(); lock_fd = lock._fd\n"
+            f"{body}\n"
+            "print('ready', flush=True); time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_lock_a_killed_holder_has_not_yet_let_go_of_is_waited_for_not_refused(tmp_path):
+    """The kernel drops a killed run's lock only once every thread and process sharing its file has closed
+    it: a rerun that comes in between waits for that instead of calling the dead run "in use". Here a
+    process the holder forked with the file open (by hand, not through the lock) lingers a second."""
+    holder = _holder(tmp_path, "if os.fork() == 0:\n    time.sleep(1); os._exit(0)")
+    assert holder.stdout.readline().strip() == "ready"
+    holder.kill()
+    holder.wait()
+    lock = RunDirLock(tmp_path)
+    lock.acquire()  # refused at once before: the recorded holder is gone, its child still held the file
+    lock.release()
+
+
+def test_a_process_forked_by_the_holder_does_not_keep_the_run_dir_locked(tmp_path):
+    """A DataLoader worker forked by rank 0 does not hold the run.dir lock: once rank 0 is gone, the lock
+    is free though the child lingers on (for a minute here; DataLoader workers take seconds to notice)."""
+    holder = _holder(tmp_path, "child = os.fork()\nif child == 0:\n    time.sleep(60); os._exit(0)\nprint(child)")
+    child = int(holder.stdout.readline())
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DtrainError, match="in use by another run"):
+            RunDirLock(tmp_path).check_free()  # the holder is alive: refused
+        holder.kill()
+        holder.wait()
+        RunDirLock(tmp_path).check_free()  # with the child still alive
+        assert Path(f"/proc/{child}").exists()
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_a_refused_start_leaves_no_run_dir_behind(tmp_path):
