@@ -1,8 +1,8 @@
 """The `dtrain` command line.
 
     dtrain run CONFIG [--resume | --resume-from PATH] [--nproc N] [--nnodes N] [--node-rank R]
-                      [--rdzv-endpoint HOST:PORT] [--rdzv-timeout S] [--max-restarts R] [--local-addr ADDR]
-                      [section.key=value ...]
+                      [--rdzv-endpoint HOST:PORT] [--rdzv-timeout S] [--rdzv-last-call S]
+                      [--max-restarts R] [--local-addr ADDR] [section.key=value ...]
     dtrain launch [same launch flags] SCRIPT.py [script args ...]
     dtrain config [CONFIG] [section.key=value ...]     print the resolved config
     dtrain config --reference                         every key, its default and meaning
@@ -44,6 +44,7 @@ LAUNCH_FLAGS = (
     "rdzv_endpoint",
     "rdzv_id",
     "rdzv_timeout",
+    "rdzv_last_call",
     "max_restarts",
     "local_addr",
 )
@@ -82,6 +83,14 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="how long a node waits for the rendezvous and the other nodes (default 600)",
+    )
+    g.add_argument(
+        "--rdzv-last-call",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="elastic jobs (--nnodes MIN:MAX): once MIN nodes are in, how long the group waits for more "
+        "before it starts or restarts (default 30, torchrun's)",
     )
     g.add_argument(
         "--max-restarts",

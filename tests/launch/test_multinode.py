@@ -256,6 +256,41 @@ def test_an_endpoint_whose_name_does_not_resolve_yet_is_waited_for_too(waited, c
         ), refused.stderr
 
 
+def test_the_elastic_last_call_is_torchruns_and_is_refused_where_no_group_waits_for_more(cli, tmp_path):
+    """`--rdzv-last-call S` becomes the last-call wait of torch's own c10d rendezvous handler (read back
+    from torchrun's parsing of the arguments dtrain forms); where the group never waits for more nodes
+    (a fixed node count, a static rendezvous), or the wait is out of range, it is refused in one line."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _get_timeout
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from dtrain.launch import LaunchSpec, torchrun_args
+
+    spec = LaunchSpec(nproc=1, nnodes="1:2", rdzv_endpoint="10.0.0.1:29500", rdzv_last_call=3)
+    spec.validate()
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_args(spec, ["train.py"])))
+    params = RendezvousParameters("c10d", config.rdzv_endpoint, config.run_id, 1, 2, **config.rdzv_configs)
+    assert _get_timeout(params, "last_call").total_seconds() == 3
+    assert _get_timeout(params, "join").total_seconds() == 600  # --rdzv-timeout's default, still there
+    default = LaunchSpec(nproc=1, nnodes="1:2", rdzv_endpoint="10.0.0.1:29500")
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_args(default, ["train.py"])))
+    assert "last_call_timeout" not in config.rdzv_configs  # torchrun's own default then
+    endpoint = ["--rdzv-endpoint", "h:1"]
+    for flags, message in [
+        (["--nnodes", "2", *endpoint, "--rdzv-last-call", "5"], "with --nnodes 2 the group never waits"),
+        (
+            ["--nnodes", "1:2", "--node-rank", "0", *endpoint, "--rdzv-last-call", "5"],
+            "with --nnodes 1:2 and --node-rank the group never waits",
+        ),
+        (["--nnodes", "1:2", *endpoint, "--rdzv-last-call", "0"], "must be from 1 to --rdzv-timeout (600) seconds"),
+        (["--nnodes", "1:2", *endpoint, "--rdzv-timeout", "20", "--rdzv-last-call", "30"], "(20) seconds; got 30"),
+    ]:
+        refused = cli("run", *JOB, *flags, f"run.dir={tmp_path}")
+        assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
+        assert refused.stderr.startswith("dtrain: error: --rdzv-last-call ") and message in refused.stderr, flags
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     "endpoint, reason",
     [
@@ -377,6 +412,8 @@ def test_a_node_lost_for_good_leaves_the_job_running_on_fewer(nodes, tokens, tmp
                 endpoint,
                 "--max-restarts",
                 "2",
+                "--rdzv-last-call",
+                "2",  # the re-formed group waits 2 s, not torchrun's 30, for a node that might still come
                 f"run.dir={run_dir}",
             ],
             cwd=ROOT,

@@ -35,6 +35,9 @@ class LaunchSpec:
     local_addr: str | None = None  # this node's address as the other nodes reach it
     shutdown_grace_s: float = 120.0  # after SIGTERM, before torchrun kills the workers
     rdzv_timeout: float = 600.0  # seconds a node waits for the others (torchrun's join timeout)
+    # Elastic (--nnodes MIN:MAX): once MIN nodes are in, seconds the rendezvous waits for more before the
+    # group starts (torchrun's last_call_timeout; None: its own 30 s), at every (re)start.
+    rdzv_last_call: int | None = None
 
     @property
     def min_nodes(self) -> int:
@@ -62,6 +65,19 @@ class LaunchSpec:
             raise ConfigError(
                 f"--rdzv-timeout must be from 1 to {MAX_RDZV_TIMEOUT:,} seconds; got {self.rdzv_timeout:g}"
             )
+        if self.rdzv_last_call is not None:
+            if self.min_nodes == self.max_nodes or self.node_rank is not None:
+                raise ConfigError(
+                    "--rdzv-last-call is for an elastic job (--nnodes MIN:MAX, no --node-rank): "
+                    f"with --nnodes {self.nnodes}"
+                    + (" and --node-rank" if self.node_rank is not None else "")
+                    + " the group never waits for more nodes; leave it out"
+                )
+            if not 1 <= self.rdzv_last_call <= self.rdzv_timeout:
+                raise ConfigError(
+                    f"--rdzv-last-call must be from 1 to --rdzv-timeout ({self.rdzv_timeout:g}) seconds; "
+                    f"got {self.rdzv_last_call}"
+                )
         if not 0 <= self.max_restarts <= 10_000:
             raise ConfigError(f"--max-restarts must be from 0 to 10000; got {self.max_restarts}")
         if self.nproc > 4096:  # processes per node: no machine runs more
@@ -123,7 +139,10 @@ def torchrun_args(
             f"--rdzv-id={spec.rdzv_id}",
         ]
         # is_host: this node serves the store at the endpoint.
-        args.append(f"--rdzv-conf=join_timeout={int(spec.rdzv_timeout)}" + (",is_host=1" if is_host else ""))
+        conf = f"join_timeout={int(spec.rdzv_timeout)}" + (",is_host=1" if is_host else "")
+        if spec.rdzv_last_call is not None:
+            conf += f",last_call_timeout={spec.rdzv_last_call}"
+        args.append(f"--rdzv-conf={conf}")
     if local_addr:
         args.append(f"--local-addr={local_addr}")
     return args + entry
