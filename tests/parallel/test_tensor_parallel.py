@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,11 +224,30 @@ def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(warm, json_byte_tokens, tmp_path):
+TWELVE_STEPS = ("training.max_steps=12", "checkpoint.every_steps=3")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(warm, json_byte_tokens, tmp_path_factory):
+    """The 12-step job run through under a layout (once per layout, on the warm workers): the weights a
+    stopped or killed run of that layout must end on when resumed."""
+    done: dict[str, Path] = {}
+
+    def of(layout: str) -> Path:
+        if layout not in done:
+            done[layout] = tmp_path_factory.mktemp(f"whole-{layout}")
+            ok(launch(json_byte_tokens, done[layout], layout, *TWELVE_STEPS, start=warm))
+        return done[layout]
+
+    return of
+
+
+def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_from(
+    warm, uninterrupted, json_byte_tokens, tmp_path
+):
     """SIGTERM to the launcher mid-run under tp2: one checkpoint, exit 75; the same command resumes from it
     and ends with the weights of the run that was never stopped, bitwise (the same layout)."""
-    longer = ("training.max_steps=12", "checkpoint.every_steps=100")
-    ok(launch(json_byte_tokens, tmp_path / "whole", "tp2", *longer, start=warm))
+    longer = ("training.max_steps=12", "checkpoint.every_steps=100")  # the SIGTERM's is the one checkpoint
     stopped = tmp_path / "stopped"
     nproc, *settings = LAYOUTS["tp2"]
     args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={stopped}", *settings, *longer]
@@ -246,19 +266,22 @@ def test_a_sigterm_under_tensor_parallel_leaves_a_checkpoint_the_run_resumes_fro
     resumed = ok(warm(*args))
     assert f"resumed from {checkpoint.path}" in resumed.stderr
     assert [m["step"] for m in train_lines(stopped)] == list(range(1, 13))
-    assert_weights_close(weights(stopped), weights(tmp_path / "whole"), atol=0, rtol=0)
+    assert_weights_close(weights(stopped), weights(uninterrupted("tp2")), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(warm, json_byte_tokens, tmp_path, layout):
+def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(
+    warm, uninterrupted, json_byte_tokens, tmp_path, layout
+):
     """SIGKILL to the whole job (launcher and workers, nothing can run) once a checkpoint exists, under tp2
     and pp2: the same command resumes from the newest complete checkpoint and ends bitwise on the weights
     of the run that was never stopped (the same layout)."""
-    longer = ("training.max_steps=12", "checkpoint.every_steps=3")
-    ok(launch(json_byte_tokens, tmp_path / "whole", layout, *longer, start=warm))
     killed = tmp_path / "killed"
     nproc, *settings = LAYOUTS[layout]
-    args = ["run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={killed}", *settings, *longer]
+    args = [
+        *("run", *GPT, f"data.path={json_byte_tokens}", "--nproc", nproc, f"run.dir={killed}"),
+        *(*settings, *TWELVE_STEPS),
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dtrain", *args],
         cwd=ROOT,
@@ -278,7 +301,7 @@ def test_kill_9_of_a_split_model_resumes_from_the_newest_checkpoint(warm, json_b
     resumed = ok(warm(*args))
     assert f"resumed from {newest.path}" in resumed.stderr
     assert [m["step"] for m in train_lines(killed)] == list(range(1, 13))
-    assert_weights_close(weights(killed), weights(tmp_path / "whole"), atol=0, rtol=0)
+    assert_weights_close(weights(killed), weights(uninterrupted(layout)), atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
