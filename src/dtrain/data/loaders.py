@@ -26,6 +26,7 @@ from dtrain.data.random_windows import RandomWindows
 from dtrain.data.sampler import IndexSampler, ShardSampler, eval_shard, train_sampler
 from dtrain.data.streams import StreamBatches, is_stream
 from dtrain.data.tokens import TokenWindows
+from dtrain.data.workers import end_workers
 from dtrain.errors import DataError
 
 Batch = Any  # a tensor, tuple, dict, namedtuple or dataclass of tensors, on the training device
@@ -59,6 +60,11 @@ class TrainBatches:
     def parts(self) -> dict[str, Any]:
         """What the checkpoint keeps of the batches: nothing, the step says the position."""
         return {}
+
+    def close(self) -> None:
+        """End the DataLoader workers kept for the next epoch (the run is over: see workers.py)."""
+        if isinstance(self._source, _LoaderSource):
+            self._source.close()
 
     def stream(self, step: int) -> Iterator[list[Batch]]:
         """Every step's micro-batches from `step` (the run's position) on, one epoch's order after the next:
@@ -286,3 +292,9 @@ class _LoaderSource:
         sampler.indices = indices
         for batch in loader:
             yield to_device(batch, self.device)
+
+    def close(self) -> None:
+        """End the persistent workers; a later pass starts new ones."""
+        for loader, _ in self._loaders.values():
+            end_workers(getattr(loader, "_iterator", None))  # the iterator a persistent loader keeps
+            loader._iterator = None  # so that the next pass makes a new one (as Lightning resets it)

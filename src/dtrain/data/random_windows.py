@@ -92,6 +92,9 @@ class RandomWindows:
         stay untouched."""
         return self._groups(window_generator(self.seed, self.rank))
 
+    def close(self) -> None:
+        """Nothing to end: windows are read in this process."""
+
     def stream(self, step: int) -> Iterator[list[Any]]:
         """Every step's micro-batches from `step` (the run's position) on, from the checkpointed
         generator state when there is one."""

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dtrain.config import DataConfig
 from dtrain.data.batch import collate, to_device
+from dtrain.data.workers import end_workers
 from dtrain.errors import DataError
 
 
@@ -192,6 +193,7 @@ class StreamBatches:
         self.exact = says_position(self.source)
         self.pass_, self.samples = 0, 0
         self.loader: Any = None  # the pass's StatefulDataLoader (with workers, an exact set)
+        self._pass_batches: Any = None  # the pass's DataLoader iterator (with workers): ended by close()
         self.position = StreamPosition(self)
 
     def parts(self) -> dict[str, Any]:
@@ -224,6 +226,10 @@ class StreamBatches:
                 )
             return self._groups(self._micro_batches(first_pass, None))
         return self._groups(self._micro_batches(first_pass, restored))
+
+    def close(self) -> None:
+        """End the DataLoader workers of the pass being read (the run is over: see workers.py)."""
+        end_workers(self._pass_batches)
 
     def _groups(self, micro: Iterator[Any]) -> Iterator[list[Any]]:
         while True:
@@ -270,12 +276,15 @@ class StreamBatches:
                 if restored is not None:  # the checkpoint's pass: its loader continues where it was
                     loader.load_state_dict(restored["data"])
                     self.samples, restored = int(restored["samples"]), None
-                batches = iter(loader)
+                batches = self._pass_batches = iter(loader)
             read = 0
-            for batch in batches:
-                read += 1
-                self.samples += self.batch_size
-                yield batch
+            try:
+                for batch in batches:
+                    read += 1
+                    self.samples += self.batch_size
+                    yield batch
+            finally:  # the pass's workers end with it, or with the stream closed part-way (not when collected)
+                end_workers(batches)
             self._refuse_an_empty_pass(pass_, read + resumed)
 
     def _loader(self) -> Any:

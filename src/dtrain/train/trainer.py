@@ -197,7 +197,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train for `training.epochs` (or `max_steps`); the last logged metrics. SIGTERM: a checkpoint, `Preempted`."""
         self.setup()
-        assert self.session and self.claim and self.monitor and self.timer
+        assert self.session and self.claim and self.monitor and self.timer and self.train_batches
         cfg, session, claim, monitor = self.config, self.session, self.claim, self.monitor
         rank, world, cuda = session.rank, session.world_size, session.device.type == "cuda"
         stopping = StopAgreement(cfg.training, cfg.checkpoint, world, self.stop_request, session.is_main)
@@ -214,6 +214,7 @@ class Trainer:
             # stopped) still only sets the flag: it must not cut their last writes short.
             held.push(lambda _kind, error, _trace: monitor.close(error))
             held.callback(profiler.close)
+            held.callback(self.train_batches.close)  # DataLoader workers end with the run, not when collected
             watch.start()
             held.callback(watch.stop)
             # One gather (also the barrier keeping rank 0's extra set-up out of the others' waiting): a
