@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import Resumable
 
 from helpers import ROOT, TIMEOUT, WORKERS, dtrain, env, eval_lines, ok, train_lines, weights
 
@@ -243,25 +244,6 @@ def test_on_one_process_dataloader_workers_split_a_torch_iterable_too(workers):
     ids = [int(i) for _ in range(6) for i in next(stream)[0]]
     stream.close()  # its DataLoader workers end here, not when some later test's garbage is collected
     assert sorted(ids) == list(range(24))
-
-
-class Resumable(torch.utils.data.IterableDataset):
-    """0, 1, ..., n - 1, saying its position: load_state_dict makes the next iteration continue there."""
-
-    def __init__(self, n: int):
-        self.n, self.next, self.start = n, 0, 0
-
-    def __iter__(self):
-        self.next, self.start = self.start, 0
-        while self.next < self.n:
-            self.next += 1
-            yield torch.tensor(self.next - 1)
-
-    def state_dict(self):
-        return {"next": self.next}
-
-    def load_state_dict(self, state):
-        self.start = state["next"]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

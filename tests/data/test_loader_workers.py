@@ -6,11 +6,11 @@ import multiprocessing
 
 import pytest
 import torch
-from tiny import SMALL, job_config
+from tiny import SMALL, Resumable, job_config
 from tiny import small_config as config
 from tiny import small_data as data
 from tiny import small_model as model
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 import dtrain
 from dtrain.config import DataConfig
@@ -58,26 +58,6 @@ def test_dataloader_workers_persist_and_take_the_same_steps(tmp_path):
 CPU = torch.device("cpu")
 
 
-class Numbers(IterableDataset):
-    """An iterable set that says its position: read through torchdata's StatefulDataLoader, whose iterator
-    and loader hold each other (only the collector would free them)."""
-
-    def __init__(self, n: int):
-        self.n, self.start, self.next = n, 0, 0
-
-    def __iter__(self):
-        self.next, self.start = self.start, 0
-        while self.next < self.n:
-            self.next += 1
-            yield torch.tensor(self.next - 1)
-
-    def state_dict(self):
-        return {"next": self.next}
-
-    def load_state_dict(self, state):
-        self.start = state["next"]
-
-
 @pytest.fixture(autouse=True)
 def no_collector():
     """The collector off; the DataLoader workers started since, still alive."""
@@ -90,8 +70,10 @@ def no_collector():
 
 
 def test_each_pass_of_a_stream_ends_its_workers_and_so_does_closing_it_part_way(no_collector):
+    # A set that says its position reads through torchdata's StatefulDataLoader, whose iterator and loader
+    # hold each other: only the collector would free them.
     # 10 samples, 2 workers reading every other one, batches of 2: 3 + 3 batches a pass.
-    stream = StreamBatches(Numbers(10), DataConfig(batch_size=2, num_workers=2), 1, 100, 0, 1, CPU)
+    stream = StreamBatches(Resumable(10), DataConfig(batch_size=2, num_workers=2), 1, 100, 0, 1, CPU)
     batches = stream.stream(0)
     next(batches)
     first_pass = no_collector()
@@ -122,7 +104,7 @@ def test_a_trainer_leaves_no_dataloader_worker_behind_after_fit(no_collector, tm
     if kind == "map-style":
         train, training, net, step_fn = MapStyle(data(64)), {"epochs": 2}, model(), None
     else:
-        train, training, net = Numbers(64), {"max_steps": 6}, torch.nn.Embedding(64, 4)
+        train, training, net = Resumable(64), {"max_steps": 6}, torch.nn.Embedding(64, 4)
         step_fn = lambda module, batch: module(batch).pow(2).mean()  # noqa: E731
     sections = {"data": {"num_workers": 2}, "training": training, "monitor": {"trackers": []}}
     trainer = dtrain.Trainer(job_config(tmp_path, SMALL, sections), model=net, train_data=train, step_fn=step_fn)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 import dtrain
 
@@ -65,3 +65,22 @@ def small_model() -> torch.nn.Module:
 
 def small_config(run_dir: Path | str, **sections: dict) -> dtrain.Config:
     return job_config(run_dir, SMALL, sections)
+
+
+class Resumable(IterableDataset):
+    """0, 1, ..., n - 1, saying its position: load_state_dict makes the next iteration continue there."""
+
+    def __init__(self, n: int):
+        self.n, self.next, self.start = n, 0, 0
+
+    def __iter__(self):
+        self.next, self.start = self.start, 0
+        while self.next < self.n:
+            self.next += 1
+            yield torch.tensor(self.next - 1)
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.start = state["next"]
