@@ -41,7 +41,7 @@ def __getattr__(name):
 
         return Trainer
     if name == "load_weights":  # a run's model.safetensors, tied tensors under each of their names
-        from dtrain.checkpoint.export import load_weights
+        from dtrain.export.weights import load_weights
 
         return load_weights
     if name == "whole_split":  # eval_metrics=dtrain.whole_split(fn): fn(predictions, targets) of the whole split

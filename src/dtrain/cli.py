@@ -391,7 +391,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from dtrain.models.generate import generate
+    from dtrain.commands.generate import generate
 
     print(generate(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
     return 0

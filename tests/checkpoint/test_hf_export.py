@@ -13,11 +13,11 @@ import torch
 
 import dtrain
 from dtrain import models
-from dtrain.checkpoint.hf_export import export_hf
 from dtrain.checkpoint.tensors import read_model_weights
 from dtrain.config import read_config
 from dtrain.data.prepare import Bytes, load_tokenizer
 from dtrain.errors import DtrainError
+from dtrain.export.hf import export_hf
 from dtrain.rundir import check_contents
 from dtrain.rundir.lock import RunDirLock
 from helpers import SMALL_JOB, WORKERS, ok
@@ -170,7 +170,7 @@ def test_weights_past_the_shard_size_are_sharded_with_an_index_from_pretrained_r
 def test_weights_are_read_a_bounded_amount_at_a_time_whatever_the_shard_size(gpt_ddp, tmp_path, monkeypatch):
     """One file of the whole model (the default 50GB shard size) is still read and written a group of
     tensors at a time: no read larger than READ_BYTES, but for a single tensor larger than it."""
-    from dtrain.checkpoint import hf_export
+    from dtrain.export import hf as hf_export
 
     reads: list[int] = []
     step_8 = hf_export._complete_checkpoint(gpt_ddp, 8)

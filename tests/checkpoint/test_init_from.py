@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dtrain.checkpoint import init_from
-from dtrain.checkpoint.export import load_weights
 from dtrain.checkpoint.tensors import read_model_weights
 from dtrain.data.sampler import GlobalOrderSampler
 from dtrain.data.tokens import TokenWindows
 from dtrain.errors import ConfigError
+from dtrain.export.weights import load_weights
 from dtrain.models.gpt import GPT
 from helpers import WORKERS, dtrain, gpt_on_tokens, ok, torchrun, train_lines
 
@@ -172,7 +172,7 @@ def test_a_hugging_face_folder_trains_from_its_own_weights(pool, tokens, tmp_pat
 def test_fsdp_ranks_read_only_their_share(tmp_path):
     import init_shards
 
-    from dtrain.checkpoint.export import save_final_weights
+    from dtrain.export.weights import save_final_weights
 
     torch.manual_seed(0)
     weights = tmp_path / "model.safetensors"
@@ -253,7 +253,7 @@ def test_a_hugging_face_folder_given_to_the_built_in_gpt_names_the_setting_that_
     """A Hugging Face folder the built-in gpt cannot take (here its own GPT-2 export, read back by a gpt of
     another depth) is refused with the setting that trains that folder's model: model.name = 'hf:FOLDER'."""
     pytest.importorskip("transformers")
-    from dtrain.checkpoint.hf_export import export_hf
+    from dtrain.export.hf import export_hf
 
     folder = export_hf(first, tmp_path / "hf")
     with torch.device("meta"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.checkpoint.export import load_weights, save_final_weights
+from dtrain.export.weights import load_weights, save_final_weights
 from dtrain.models.gpt import GPT
 from helpers import WORKERS, ok, torchrun, train_lines, weights
 

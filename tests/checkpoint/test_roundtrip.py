@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dtrain.checkpoint import init_from
-from dtrain.checkpoint.export import load_weights, save_final_weights
-from dtrain.checkpoint.hf_export import export_hf
+from dtrain.commands.generate import generate
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.export.hf import export_hf
+from dtrain.export.weights import load_weights, save_final_weights
 from dtrain.models import described
-from dtrain.models.generate import generate
 from dtrain.models.gpt import GPT
 from helpers import WORKERS, dtrain, ok, torchrun, train_lines
 

@@ -93,7 +93,7 @@ def same_export(a: Path, b: Path) -> None:
 
 
 def test_export_from_the_bucket_equals_the_local_export_and_to_the_bucket_loads(s3, gpt_on_the_bucket, cli, tmp_path):
-    from dtrain.checkpoint.hf_export import export_hf  # the local exports: what `dtrain export` runs, here
+    from dtrain.export.hf import export_hf  # the local exports: what `dtrain export` runs, here
 
     url, local, reader = gpt_on_the_bucket
     final, at_4 = export_hf(local, tmp_path / "final"), export_hf(local, tmp_path / "at-4", step=4)

@@ -128,7 +128,7 @@ def test_a_tensor_parallel_run_exports_a_whole_hugging_face_model(runs, tmp_path
     """`dtrain export --format hf` of a tensor-parallel run: a folder transformers loads whole, giving the
     logits of the one-process run's export within 1e-5 (the weights agree within that)."""
     transformers = pytest.importorskip("transformers")  # the test extra installs it
-    from dtrain.checkpoint.hf_export import export_hf
+    from dtrain.export.hf import export_hf
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = []

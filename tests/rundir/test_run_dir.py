@@ -326,7 +326,7 @@ def test_the_api_refuses_before_training_what_the_launcher_would(tmp_path):
 def test_the_room_asked_for_the_final_weights_is_what_the_file_takes(tmp_path):
     """The GPT ties its output layer to its token embedding: the file holds that tensor once, so the
     room asked for beforehand must not count it twice (a run that fits would be refused)."""
-    from dtrain.checkpoint.export import save_final_weights
+    from dtrain.export.weights import save_final_weights
     from dtrain.models.gpt import GPT
     from dtrain.rundir.claim import weights_bytes
 

@@ -26,7 +26,7 @@ def test_eval_batches_evaluates_the_same_samples_every_time_and_at_any_world_siz
     from scenarios import config, data, fresh_model
 
     import dtrain
-    from dtrain.checkpoint.export import load_weights
+    from dtrain.export.weights import load_weights
 
     out, _ = two_ranks
     lines = eval_lines(out / "steps")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dtrain.checkpoint.export import load_weights, save_final_weights
 from dtrain.checkpoint.metadata import SafeReader
 from dtrain.commands.export import export
+from dtrain.export.weights import load_weights, save_final_weights
 from dtrain.models.gpt import GPT
 from helpers import dtrain, gpt_on_tokens, ok, train_lines
 

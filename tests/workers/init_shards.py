@@ -18,7 +18,7 @@ import torch
 import dtrain
 from dtrain import distributed, parallel
 from dtrain.checkpoint import init_from
-from dtrain.checkpoint.export import load_weights
+from dtrain.export.weights import load_weights
 from dtrain.models.gpt import GPT
 
 

@@ -1,5 +1,5 @@
 """`dtrain export RUN_DIR --format hf [--step N] [--out DIR] [--max-shard-size SIZE]`: a run's weights in a
-format other programs read. The work is checkpoint/hf_export.py's (also what `checkpoint.export = "hf"`
+format other programs read. The work is export/hf.py's (also what `checkpoint.export = "hf"`
 runs at the end of a run); here, what the command says."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def export(
     run_dir: str, format: str, out: str | None, step: int | None, max_shard_size: str, merged: bool = False
 ) -> str:
     """Export; the line saying what was written. RUN_DIR and --out may be URLs of an object store."""
-    from dtrain.checkpoint.hf_export import export_hf
+    from dtrain.export.hf import export_hf
 
     if format not in FORMATS:
         raise DtrainError(f"--format {format!r} is not one dtrain writes; use --format hf (a Hugging Face folder)")
@@ -47,7 +47,7 @@ def export(
 def _export_through_store(run_dir: str, out: str | None, step: int | None, max_shard_size: str, merged: bool) -> str:
     """RUN_DIR or --out on an object store: the run read through a local copy (rundir.reading, no lease
     taken), the export written to a local folder, and for an --out URL then sent up (store_export)."""
-    from dtrain.checkpoint.hf_export import export_hf
+    from dtrain.export.hf import export_hf
     from dtrain.rundir import reading
 
     target = out if out is not None else objstore.join(run_dir, "hf") if objstore.is_url(run_dir) else f"{run_dir}/hf"

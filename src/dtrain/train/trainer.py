@@ -5,7 +5,7 @@ sync, autocast, clipping, exact eval.
     trainer.fit()
 
 `Trainer.fit` runs in every process. Read `_train_step` top to bottom: it is the whole step. Policies live
-in collaborators: train.resume, .stopping, .evaluation, .advice; rundir.claim; checkpoint.export; observe.
+in collaborators: train.resume, .stopping, .evaluation, .advice; rundir.claim; export.weights; observe.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from dtrain import data, distributed, parallel
-from dtrain.checkpoint import Checkpointer, Parts, Position, export, init_from
+from dtrain.checkpoint import Checkpointer, Parts, Position, init_from
 from dtrain.config import Config, profile_range
 from dtrain.data import Batches
+from dtrain.export import weights as export
 from dtrain.models import lora
 from dtrain.observe import memory
 from dtrain.observe.metrics import StepMetrics, step_tokens

@@ -109,7 +109,7 @@ def write_final_weights(
 def export_at_the_end(run_dir: Path) -> None:
     """checkpoint.export = "hf": run.dir/hf from the final weights just written (rank 0). A failure leaves the
     weights as they are and says how to export them again."""
-    from dtrain.checkpoint.hf_export import export_hf
+    from dtrain.export.hf import export_hf
 
     try:
         export_hf(run_dir)

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from dtrain import rundir
-from dtrain.checkpoint import hf_layout, lora_export
+from dtrain.checkpoint import hf_layout
 from dtrain.checkpoint.hf_layout import Entry, Specs
 from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.errors import DtrainError
+from dtrain.export.lora import merged_state, write_adapter
 from dtrain.files import fsync_dir, fsync_file, user_file_mode
 from dtrain.models import described
 
@@ -177,7 +178,7 @@ def export_hf(
 ) -> Path:
     """Write run `run_dir`'s final weights (or checkpoint `step`) as a Hugging Face folder at `out`
     (default run_dir/hf); returns it. Refuses in one line, before writing anything, what would not load.
-    A LoRA run's: its PEFT adapter folder, or with `merged` the base with the adapters merged (lora_export.py)."""
+    A LoRA run's: its PEFT adapter folder, or with `merged` the base with the adapters merged (export/lora.py)."""
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "hf"
     max_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
@@ -203,9 +204,9 @@ def export_hf(
             adapters = weights.read(list(weights.specs))
             if not merged:
                 with _staged(out) as staging:
-                    lora_export.write_adapter(staging, lora, adapters)
+                    write_adapter(staging, lora, adapters)
                 return out
-            weights = _in_memory(lora_export.merged_state(model, adapters, run_dir), str(run_dir))
+            weights = _in_memory(merged_state(model, adapters, run_dir), str(run_dir))
             model = {key: value for key, value in model.items() if key != "lora"}
         meta = _tokens_meta(run_dir)
         eot = meta.get("eot_token") if isinstance(meta.get("eot_token"), int) else None

@@ -61,9 +61,9 @@ def _generate(
     training: bool | None = None,
     shown: str = "",
 ) -> str:
-    from dtrain.checkpoint.export import load_weights
     from dtrain.checkpoint.tensors import read_model_weights
     from dtrain.data.prepare import load_tokenizer
+    from dtrain.export.weights import load_weights
 
     config_file, weights = run_dir / "config.toml", run_dir / "model.safetensors"
     training = RunDirLock(run_dir).held() if training is None else training

@@ -3,7 +3,7 @@
     default     a PEFT adapter folder — adapter_config.json (peft's LoraConfig, the base named in
                 base_model_name_or_path) and adapter_model.safetensors (the adapters under the names
                 PeftModel.save_pretrained writes) — that `peft.PeftModel.from_pretrained(base, DIR)` loads
-    --merged    the base with the adapters merged into it, as the run's Hugging Face folder (hf_export.py
+    --merged    the base with the adapters merged into it, as the run's Hugging Face folder (export/hf.py
                 writes it as it writes any run's): `from_pretrained` loads it with the trained model's logits
 
 The adapters come from the run's final weights or a checkpoint (what the run saved: only they train); the
@@ -25,7 +25,7 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 
 def write_adapter(folder: Path, lora: dict[str, Any], adapters: dict[str, torch.Tensor]) -> None:
-    """The PEFT adapter folder's two files, into `folder` (hf_export stages it)."""
+    """The PEFT adapter folder's two files, into `folder` (export/hf.py stages it)."""
     from safetensors.torch import save_file
 
     from dtrain import rundir
