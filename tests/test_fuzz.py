@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dtrain
-from dtrain.checkpoint import finished
-from dtrain.checkpoint import preflight as checkpoint_preflight
 from dtrain.commands.report import build_figures, load_records, summary
 from dtrain.config import Config, all_keys, load_config, tomllib
 from dtrain.data import mnist
 from dtrain.errors import DtrainError
+from dtrain.rundir.resume_point import finished
+from dtrain.rundir.resume_point import preflight as checkpoint_preflight
 from helpers import ROOT
 from helpers import dtrain as run_dtrain
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.checkpoint import CheckpointError, CheckpointStore, truncate_metrics
+from dtrain.checkpoint import CheckpointError, CheckpointStore
 from dtrain.checkpoint.store import MARKER
 from dtrain.errors import DtrainError
+from dtrain.observe.metrics_file import truncate_metrics
 from dtrain.rundir.lock import RunDirLock
 
 

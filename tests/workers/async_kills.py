@@ -23,8 +23,10 @@ import torch.distributed.checkpoint.staging
 
 import dtrain.checkpoint.background
 import dtrain.checkpoint.tensors  # noqa: F401
-from dtrain.checkpoint import Checkpointer, CheckpointError, CheckpointStore, Parts, Position
+from dtrain.checkpoint import CheckpointError, CheckpointStore, Parts, Position
+from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import CheckpointConfig
+from dtrain.rundir.resume_point import chooser
 
 BAD_RESUME = 3
 
@@ -42,7 +44,7 @@ def build(run_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, Checkp
 
 def child(run_dir: Path, started: Path) -> None:
     model, optimizer, checkpointer = build(run_dir)
-    resume_from = checkpointer.find_resume_point()
+    resume_from = checkpointer.find_resume_point(chooser(checkpointer.config))
     step = checkpointer.restore(resume_from).step if resume_from else 0
     # The state restored is the one written at that step: AdamW counted exactly that many updates.
     counted = {int(s["step"]) for s in optimizer.state.values()} or {0}

@@ -193,3 +193,16 @@ def describe_failure(exc: BaseException) -> str:
         return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
     text = str(exc).strip().splitlines()
     return text[-1] if text else type(exc).__name__
+
+
+def check_intact(checkpoint: Checkpoint, store: CheckpointStore) -> dict[str, Any]:
+    """The marker of the checkpoint a run resumes from, every file checked against it: run.dir's own, or
+    --resume-from's, whose refusal never advises deleting it (that advice is for a run.dir's own)."""
+    if checkpoint.path.parent.resolve() == store.root.resolve():
+        return store.check_intact(checkpoint)
+    try:
+        return CheckpointStore(checkpoint.path.parent.parent).check_intact(checkpoint)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"--resume-from {checkpoint.path}: {str(exc).split('; ')[0]}; give another checkpoint"
+        ) from None

@@ -15,7 +15,7 @@ from dtrain.checkpoint.store import Checkpoint, CheckpointStore
 from dtrain.config import read_config
 from dtrain.data import tokens
 from dtrain.errors import DtrainError
-from dtrain.models import described
+from dtrain.models import hf
 from dtrain.rundir import given_in_code
 from dtrain.rundir.lock import RunDirLock
 
@@ -118,7 +118,7 @@ def _generate(
     meta = kept if kept is not None else tokens.read_meta(config.data.path)
     tokenizer = load_tokenizer(run_dir / "tokenizer" if kept is not None else config.data.path, meta)
     model: Any = models.build(config.model, (config.data.block_size,), meta["vocab_size"])
-    hugging_face = described.is_transformers_model(model)
+    hugging_face = hf.is_transformers_model(model)
     if not (model.can_generate() if hugging_face else callable(getattr(model, "generate", None))):
         raise DtrainError(
             f"model.name = '{config.model.name}' builds a {type(model).__name__}, which cannot generate; "

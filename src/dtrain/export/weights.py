@@ -21,7 +21,7 @@ from dtrain.files import atomic_write
 from dtrain.rundir import END_OF_RUN, WEIGHTS_MARK
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint import Checkpointer
+    from dtrain.checkpoint.checkpointer import Checkpointer
 
 
 def save_final_weights(state: dict[str, torch.Tensor], path: Path, end: dict[str, Any] | None = None) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from dtrain import checkpoint, data, distributed, models, objstore, parallel, rundir
+from dtrain import data, distributed, models, objstore, parallel, rundir
+from dtrain.checkpoint import init_from
 from dtrain.config import Config, check_model_fits_data, with_global_batch
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.launch import gpus as devices
@@ -18,6 +19,7 @@ from dtrain.observe.tracker_servers import check_servers
 from dtrain.observe.trackers import check_installed
 from dtrain.parallel.ddp_comm import check_comm_hook
 from dtrain.parallel.dims import TpProblem
+from dtrain.rundir import resume_point
 from dtrain.rundir.lock import RunDirLock
 from dtrain.rundir.mirror import fetch_for_launcher
 from dtrain.train.amp import precision_problem
@@ -71,12 +73,15 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         problem = parallel.blocks.compiler_problem(targets[0][0])
         if problem:
             raise ConfigError(problem)
-    models.check_weights(config.model)
+    models.check_folder(config.model)
+    weights = init_from.resolve(*config.model.weights) if config.model.weights else None  # readable, or refused
     data.fetch(config)
     data.check(config, dp)
     sample = data.sample_of(config)
     if sample is not None:  # a built-in data set: whether the model can be built for it is known now
         model = models.check(config.model, *sample)  # on the meta device: how the sizes split it, checked now
+        if model is not None and weights is not None:  # names and shapes, from the files' headers
+            init_from.check_fit(model, weights)
         problem = parallel.model_problem(config, model, world=(world_size, local_world_size)) if model else None
         if problem:  # e.g. tensor parallel over more processes than the model has heads
             raise ConfigError(problem)
@@ -88,12 +93,12 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     # On one node only: on several, a node's launcher leaving at once would keep the others waiting. Before
     # run.dir's contents are judged: a finished run is complete whatever was put beside it since (.DS_Store).
     if world_size == local_world_size:
-        done = checkpoint.finished(config, run_dir, dp, n_train, global_order)
+        done = resume_point.finished(config, run_dir, dp, n_train, global_order)
         if done:
             return done
     rundir.check_contents(run_dir, config.run.allow_other_files)
     fresh = config.run.overwrite and not distributed.later_attempt()  # a restart of this run resumes instead
-    resume_from = checkpoint.preflight(config, run_dir, dp, global_order, fresh=fresh)
+    resume_from = resume_point.preflight(config, run_dir, dp, global_order, fresh=fresh)
     if world_size > local_world_size:
         return None  # several nodes, maybe one shared run.dir: rank 0 judges it, wherever it runs (Trainer)
     RunDirLock(run_dir).check_free()

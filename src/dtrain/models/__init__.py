@@ -87,9 +87,9 @@ BUILT_IN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
     """Refuse, before any worker starts, a built-in model that its options cannot build for data of this
     shape: it is built on the meta device (no memory, no time), so that its builder's own rules (the cnn's
-    C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once; and
-    weights to start from whose names or shapes are not the model's (read from the files' headers). Returns
-    that model on the meta device (for the strategy's checks), or None for a model it does not build."""
+    C×H×W, the gpt's n_embd a multiple of n_head, its block_size and vocabulary) speak now, once. Returns
+    that model on the meta device (for the strategy's checks, and the weights it starts from: launch
+    preflight), or None for a model it does not build."""
     if config.hf_folder is not None:
         from dtrain.models import hf
 
@@ -97,25 +97,16 @@ def check(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -
     if config.name in BUILT_IN:
         with torch.device("meta"):
             model = build(config, input_shape, num_classes)
-        if config.weights is not None:
-            from dtrain.checkpoint import init_from
-
-            init_from.check_fit(model, init_from.resolve(*config.weights))
         return model  # on the meta device: the launcher checks how it splits (pipeline parallel)
     return None
 
 
-def check_weights(config: ModelConfig) -> None:
-    """Refuse, before any worker starts, a Hugging Face model folder that is none, and weights to start
-    from (model.init_from, the folder's) that dtrain cannot read, each in one line."""
-    from dtrain.checkpoint.init_from import resolve
-
+def check_folder(config: ModelConfig) -> None:
+    """Refuse, before any worker starts, a Hugging Face model folder that is none, in one line."""
     if config.hf_folder is not None:
         from dtrain.models import hf
 
         hf.check_folder(config.name, config.hf_folder, weights=not config.init_from)
-    if config.weights is not None:
-        resolve(*config.weights)
 
 
 def check_kind(config: Config, kind: str | None) -> None:

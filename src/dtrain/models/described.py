@@ -12,7 +12,6 @@ A LoRA run's also holds "lora": {"settings": peft's LoraConfig arguments, "base"
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
+from dtrain.models import hf
 
 MODEL_FILE = "model.json"
 GPT, TRANSFORMERS, OTHER = "gpt", "transformers", "other"
@@ -48,7 +48,7 @@ def _describe(module: nn.Module) -> dict[str, Any]:
             "bias": bool(module.bias),
         }
         return {"written_by": "dtrain", "kind": GPT, "options": options}
-    if is_transformers_model(module):
+    if hf.is_transformers_model(module):
         # FSDP2 makes the model an instance of a class of its own (FSDPGPT2LMHeadModel): the library's is named.
         cls = next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
         try:
@@ -57,12 +57,6 @@ def _describe(module: nn.Module) -> dict[str, Any]:
             return {"written_by": "dtrain", "kind": OTHER, "class": f"{cls.__name__} whose config is not JSON ({exc})"}
         return {"written_by": "dtrain", "kind": TRANSFORMERS, "architecture": cls.__name__, "config": config}
     return {"written_by": "dtrain", "kind": OTHER, "class": type(module).__name__}
-
-
-def is_transformers_model(module: nn.Module) -> bool:
-    # A model of transformers' has brought the library in already: nothing to import for one that has not.
-    library = sys.modules.get("transformers")
-    return library is not None and isinstance(module, library.PreTrainedModel)
 
 
 def write(run_dir: Path, module: nn.Module) -> None:

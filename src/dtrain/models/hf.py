@@ -21,6 +21,7 @@ dict batch with `labels` gives the model's own `.loss`.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,9 @@ def build(name: str, folder: str, options: dict[str, Any]) -> nn.Module:
     if cls is transformers.AutoModel:
         return cls.from_config(config, dtype=torch.float32)
     return cls._from_config(config, dtype=torch.float32)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    # A model of transformers' has brought the library in already: nothing to import for one that has not.
+    library = sys.modules.get("transformers")
+    return library is not None and isinstance(module, library.PreTrainedModel)

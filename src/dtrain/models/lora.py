@@ -65,8 +65,8 @@ def base_reference(config: Config, module: nn.Module | None = None) -> str:
 
 def default_targets(module: nn.Module) -> list[str] | str:
     """target_modules when training.lora does not name them (see the module's docstring)."""
-    from dtrain.models.described import is_transformers_model
     from dtrain.models.gpt import GPT
+    from dtrain.models.hf import is_transformers_model
 
     if isinstance(module, GPT):
         return list(GPT_TARGETS)
@@ -120,16 +120,16 @@ def inject(module: nn.Module, lora: Lora) -> nn.Module:
     return module
 
 
-def prepare(config: Config, module: nn.Module, is_main: bool) -> nn.Module:
-    """A LoRA run's model: the base weights read (model.init_from, an hf: folder; new runs and resumes
-    alike: a checkpoint holds only the adapters), then the adapters injected. Without training.lora, the
-    module as it is."""
-    if not config.training.lora or of(module) is not None:
-        return module
-    if config.model.weights is not None:
-        from dtrain.checkpoint import init_from
+def wanted(config: Config, module: nn.Module) -> bool:
+    """Whether `module` is to get adapters: training.lora, and none injected yet."""
+    return bool(config.training.lora) and of(module) is None
 
-        init_from.load_into(module, init_from.resolve(*config.model.weights), is_main)
+
+def prepare(config: Config, module: nn.Module) -> nn.Module:
+    """A LoRA run's model, its base weights already read (checkpoint/init_from.py `lora_base`): the
+    adapters injected. Without training.lora, the module as it is."""
+    if not wanted(config, module):
+        return module
     lora = Lora(settings(config.training.lora, module), base_reference(config, module), config.model.weights)
     return inject(module, lora)
 

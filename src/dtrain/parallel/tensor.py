@@ -3,7 +3,7 @@ mesh (dims.py) by a plan, a dict of module-name patterns → torch's parallel st
 `parallelize_module` takes it. The plan is, first found:
 
     yours       `Trainer(..., tp_plan=...)`, for any model
-    the model's a `tp_plan()` method (the built-in GPT's: models/gpt_tp.py); one taking `loss_parallel`
+    the model's a `tp_plan()` method (the built-in GPT's: models/gpt/tp_plan.py); one taking `loss_parallel`
                 is asked for logits split over the vocabulary when the loss is dtrain's cross-entropy
     Hugging Face the model's own (`base_model_tp_plan` of its config), applied by transformers' own
                 helper (`apply_tensor_parallelism`)

@@ -17,15 +17,18 @@ from typing import Any
 import torch
 
 from dtrain import distributed, rundir
-from dtrain.checkpoint import Checkpoint, Checkpointer, Position, evaluated_at, resume_geometry, truncate_metrics
+from dtrain.checkpoint import Checkpoint, Position
+from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
 from dtrain.config import Config, with_global_batch
 from dtrain.data import Batches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 from dtrain.models import lora
+from dtrain.observe.metrics_file import evaluated_at, truncate_metrics
 from dtrain.observe.monitor import Monitor
 from dtrain.observe.trackers import restart_line
+from dtrain.rundir.resume_point import resume_geometry
 from dtrain.train.schedules import Schedule
 
 # A group's keys that are not its settings: its parameters, and the learning rate (which the schedule owns).
@@ -253,7 +256,7 @@ def identity(config: Config, train_samples: int | str) -> dict[str, Any]:
 
 def plan(config: Config, total_steps: int, steps_per_epoch: int) -> dict[str, int]:
     """What this run plans, kept in its checkpoints: a rerun planning the same has nothing left to train
-    once a checkpoint reached `total_steps` (see checkpoint.finished)."""
+    once a checkpoint reached `total_steps` (see rundir.resume_point.finished)."""
     return {
         "training.epochs": config.training.epochs,
         "training.max_steps": config.training.max_steps,

@@ -22,7 +22,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from dtrain import data, distributed, parallel
-from dtrain.checkpoint import Checkpointer, Parts, Position, init_from
+from dtrain.checkpoint import Parts, Position, init_from
+from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.config import Config, profile_range
 from dtrain.data import Batches
 from dtrain.export import weights as export
@@ -33,6 +34,7 @@ from dtrain.observe.monitor import Monitor
 from dtrain.observe.profiling import StepProfiler
 from dtrain.observe.steptime import StepTimer
 from dtrain.observe.watchdog import HangWatch
+from dtrain.rundir import resume_point
 from dtrain.rundir.claim import RunDirClaim
 from dtrain.rundir.mirror import local_dir
 from dtrain.train import advice, optim, resume
@@ -152,7 +154,9 @@ class Trainer:
         self.config = cfg = self.plan.followed(cfg)  # after a regroup a copy: the caller's config stays as given
         made = data.train_batches(self.train_data, cfg, rank, dp, accum, global_order, device, self.collate_fn)
         self.train_batches = batches = made  # a map-style set's shard, or an iterable set's share (streams.py)
-        self.module = lora.prepare(cfg, self.module, session.is_main)  # LoRA: base weights read, adapters in
+        if lora.wanted(cfg, self.module) and cfg.model.weights:  # LoRA: the base weights read, then adapters in
+            init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
+        self.module = lora.prepare(cfg, self.module)
         parallel.to_device(self.module, device)  # a model on the meta device: its buffers (deferred.py)
         self.timer = StepTimer(device, enabled=cfg.monitor.breakdown)
         skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
@@ -182,7 +186,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
         store, at = self.checkpointer.store, lambda: self.step
         self.stop_request.abandon_line = lambda: abandoned(at(), store) if session.is_main else None  # 2nd Ctrl-C
-        resume_from = self.checkpointer.find_resume_point()
+        resume_from = self.checkpointer.find_resume_point(resume_point.chooser(cfg.checkpoint))
         claim.fresh = resume_from is None  # what run.dir holds from here on is this run's own
         if resume_from is not None:
             position = self.plan.restore(self.checkpointer, resume_from, self.scheduler, total)

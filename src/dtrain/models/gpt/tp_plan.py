@@ -37,10 +37,8 @@ from dtrain.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from dtrain.models.gpt import GPT
 
-
-def plan(model: GPT, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+def plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Module names (parallelize_module's patterns) → how each is split over the tensor-parallel mesh;
     with `loss_parallel` the logits come as a DTensor split over the vocabulary, for a loss computed
     inside torch's `loss_parallel()` (dtrain's step and evaluation enter it: parallel/base.py)."""
@@ -63,11 +61,12 @@ def plan(model: GPT, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     }
 
 
-def problem(model: GPT, tp: int, window: int | None = None, sizes: Collection[int] | None = None) -> str | None:
-    """Why the GPT cannot be split over `tp` processes (heads, width; windows of `window` tokens, which
-    sequence parallel splits evenly), in one line naming what would (of `sizes`: those the world takes),
-    or None."""
-    n_head, n_embd = model.n_head, model.n_embd
+def problem(
+    n_head: int, n_embd: int, tp: int, window: int | None = None, sizes: Collection[int] | None = None
+) -> str | None:
+    """Why a GPT of `n_head` heads and width `n_embd` cannot be split over `tp` processes (windows of
+    `window` tokens, which sequence parallel splits evenly), in one line naming what would (of `sizes`:
+    those the world takes), or None."""
     if n_head % tp == 0 and n_embd % tp == 0:
         return None if window is None or window % tp == 0 else _uneven(window, tp)
     fits = [

@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.parallel.dtensors import is_dtensor
-
 
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(batch, 1, positions, positions) bool, True where a position may attend: an earlier or the same
@@ -45,7 +43,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.c_attn(x)
-        c = qkv.shape[-1] // 3  # n_embd; under tensor parallel the width of this rank's heads (gpt_tp.py)
+        c = qkv.shape[-1] // 3  # n_embd; under tensor parallel the width of this rank's heads (tp_plan.py)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in qkv.split(c, dim=2))
         p = self.dropout if self.training else 0.0
         # With a mask (packed documents) it holds the causal part too.
@@ -82,7 +80,7 @@ class GPT(nn.Module):
     _no_split_modules: ClassVar[list[str]] = [
         "Block"
     ]  # the unit of sharding (FSDP) and of activation checkpointing, as in HF
-    # Under its tensor-parallel plan (gpt_tp.py) every dropout acts on a shard: the embedding's and the
+    # Under its tensor-parallel plan (tp_plan.py) every dropout acts on a shard: the embedding's and the
     # residuals' on sequence shards, attention's on the rank's own heads (parallel/dropout.py).
     tp_dropout_on_shards: ClassVar[bool] = True
 
@@ -141,18 +139,18 @@ class GPT(nn.Module):
         return x if self.lm_head is None else self.lm_head(x)
 
     def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:
-        """How tensor parallel splits this model (gpt_tp.py): module patterns → parallel styles; with
+        """How tensor parallel splits this model (tp_plan.py): module patterns → parallel styles; with
         `loss_parallel`, its logits left split over the vocabulary for the loss."""
-        from dtrain.models import gpt_tp
+        from dtrain.models.gpt import tp_plan
 
-        return gpt_tp.plan(self, loss_parallel)
+        return tp_plan.plan(loss_parallel)
 
     def tp_problem(self, tp: int, window: int | None = None, sizes: Collection[int] | None = None) -> str | None:
         """Why `tp` processes cannot split this model (on windows of `window` tokens), in one line naming
         the sizes that would (of `sizes`, where given), or None."""
-        from dtrain.models import gpt_tp
+        from dtrain.models.gpt import tp_plan
 
-        return gpt_tp.problem(self, tp, window, sizes)
+        return tp_plan.problem(self.n_head, self.n_embd, tp, window, sizes)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding, as GPT-2 counts."""
@@ -190,7 +188,8 @@ class GPT(nn.Module):
             # which a causal model's last real position never sees.
             t = window.shape[1]
             logits = self(F.pad(window, (0, -t % multiple)))
-            if is_dtensor(logits):  # split over the vocabulary under tensor parallel (gpt_tp.py)
+            # Split over the vocabulary under tensor parallel (tp_plan.py): a DTensor, gathered whole.
+            if hasattr(logits, "full_tensor"):
                 logits = logits.full_tensor()
             logits = logits[:, t - 1, :]
             if temperature == 0:
