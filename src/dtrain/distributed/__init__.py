@@ -1,8 +1,9 @@
 """Inside a worker: who am I, which backend, which device — then init and destroy the process group.
 
-`env` reads the place from the launcher's variables, `group` owns the process group, `collectives` the
-small object collectives, `lifecycle` how a worker lives and leaves under its launcher, `failures` how it
-says that it failed. The names are re-exported here: `distributed.start`, `distributed.barrier`, ...
+`dtrain.placement` (torch-free, below this package) reads the place from the launcher's variables,
+`group` owns the process group, `collectives` the small object collectives, `lifecycle` how a worker
+lives and leaves under its launcher, `failures` how it says that it failed. The names are re-exported
+here: `distributed.start`, `distributed.barrier`, ...
 """
 
 from dtrain.distributed.collectives import (
@@ -13,15 +14,6 @@ from dtrain.distributed.collectives import (
     gather_objects,
     hostnames,
     rank0_decides,
-)
-from dtrain.distributed.env import (
-    DistEnv,
-    describe_attempt,
-    detect_env,
-    first_slurm_host,
-    in_worker_environment,
-    later_attempt,
-    restart_count,
 )
 from dtrain.distributed.group import (
     Session,
@@ -39,6 +31,16 @@ from dtrain.distributed.group import (
     stop,
 )
 from dtrain.distributed.lifecycle import LAUNCHED_BY_DTRAIN, die_with_the_launcher, end_worker_process
+from dtrain.placement import (
+    DistEnv,
+    describe_attempt,
+    detect_env,
+    first_slurm_host,
+    in_worker_environment,
+    is_torchrun_worker,
+    later_attempt,
+    restart_count,
+)
 
 __all__ = [
     "LAUNCHED_BY_DTRAIN",
@@ -61,6 +63,7 @@ __all__ = [
     "gather_objects",
     "hostnames",
     "in_worker_environment",
+    "is_torchrun_worker",
     "keep_to_the_cpu",
     "later_attempt",
     "rank0_decides",

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import DistributedConfig
-from dtrain.distributed.env import DistEnv, detect_env
 from dtrain.distributed.lifecycle import die_with_the_launcher
 from dtrain.distributed.waiting import WaitReport, wait_for_rank0
 from dtrain.errors import ConfigError, EnvironmentProblem, PeersMissing
+from dtrain.placement import DistEnv, detect_env, is_torchrun_worker
 
 # --- backend and device ---------------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ def start(
             ("LOCAL_WORLD_SIZE", env.local_world_size),
         ):
             os.environ.setdefault(name, str(value))
-        if "TORCHELASTIC_RUN_ID" not in environ:  # torchrun's agent formed the group before starting us
+        if not is_torchrun_worker(environ):  # torchrun's agent formed the group before starting us
             # A rank other than 0 first waits for rank 0's store, saying so: torch would wait silently and
             # end in C++ frames and a traceback (a pod started before, or without, its rank 0).
             wait_for_rank0(env, config.timeout_s)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from dtrain.errors import ConfigError, EnvironmentProblem, Rank0Missing
 
 if TYPE_CHECKING:
-    from dtrain.distributed.env import DistEnv
+    from dtrain.placement import DistEnv
 
 FIRST_LINE_S = 2.0  # a wait shorter than this says nothing
 REPORT_S = 30.0  # seconds between two lines of one wait

@@ -3,7 +3,6 @@ forgotten again by a new run that trained nothing, released at the end."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from dtrain.checkpoint.store import CheckpointStore
 from dtrain.config import CheckpointConfig, RunConfig
 from dtrain.errors import DtrainError, RunDirLost
 from dtrain.models import described
+from dtrain.placement import torchrun_run_id
 from dtrain.rundir.lease import RunDirLease
 from dtrain.rundir.lock import RunDirLock
 from dtrain.rundir.mirror import Mirror
@@ -32,9 +32,7 @@ class RunDirClaim:
         # the mirror, and the lock there is a lease object (see rundir/mirror.py, rundir/lease.py).
         self.mirror = Mirror(run.dir, run_dir, checkpoint.keep) if objstore.is_url(run.dir) else None
         self.lease = (
-            RunDirLease(run.dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), every_renewal=self._send_outputs)
-            if self.mirror
-            else None
+            RunDirLease(run.dir, torchrun_run_id() or "", every_renewal=self._send_outputs) if self.mirror else None
         )
         # Checkpoints on the store are sealed by the Checkpointer, rank 0's only while it holds the lease.
         self.checkpoints = self.mirror.checkpoints if self.mirror else None

@@ -1,7 +1,8 @@
 """Where this process sits in the job, read from whoever started it: torchrun (and anything that sets the
 env:// variables, such as a Kubernetes PyTorchJob), SLURM's `srun`, or Open MPI's `mpirun` — and whether
 this is a later attempt of a run (torchrun's restart, SLURM's requeue). Everything else in dtrain asks
-this module, never the environment directly."""
+this module, never the environment directly. It imports no torch: the command line asks it before torch
+is imported (distributed/ re-exports it)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def torchrun_run_id(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The run id torchrun's agent gives its workers (--rdzv-id), or None outside torchrun."""
+    return environ.get("TORCHELASTIC_RUN_ID")
+
+
+def is_torchrun_worker(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when torchrun's agent started this process as one of its workers (it has formed the group's
+    rendezvous already, and restarts the group on a failure)."""
+    return torchrun_run_id(environ) is not None
 
 
 def in_worker_environment(environ: Mapping[str, str] = os.environ) -> bool:
