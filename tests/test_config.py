@@ -291,7 +291,7 @@ def test_the_built_in_models_declared_options_are_their_builders():
     import inspect
 
     from dtrain import models
-    from dtrain.config.sections import DATA_GIVES, MODEL_OPTIONS, MODEL_TAKES
+    from dtrain.config.model import DATA_GIVES, MODEL_OPTIONS, MODEL_TAKES
 
     for name, builder in models.BUILT_IN.items():
         params = set(inspect.signature(builder).parameters) - {"input_shape", "num_classes"}

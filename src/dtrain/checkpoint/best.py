@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dtrain.config.sections import best_rule
+from dtrain.config.checkpoint import best_rule
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
 

@@ -15,23 +15,18 @@ from typing import Any
 
 import tomli_w
 
+from dtrain.config.checkpoint import CheckpointConfig
+from dtrain.config.data import DataConfig
+from dtrain.config.distributed import DistributedConfig
 from dtrain.config.foreign import foreign_hint
-from dtrain.config.sections import (
-    DATA_GIVES,
-    CheckpointConfig,
-    DataConfig,
-    DistributedConfig,
-    ModelConfig,
-    MonitorConfig,
-    OptimizerConfig,
-    ProfileConfig,
-    RunConfig,
-    SchedulerConfig,
-    Section,
-    TrainingConfig,
-    kind_problem,
-)
+from dtrain.config.model import DATA_GIVES, ModelConfig, kind_problem
+from dtrain.config.monitor import MonitorConfig, ProfileConfig
+from dtrain.config.optimizer import OptimizerConfig
+from dtrain.config.run import RunConfig
+from dtrain.config.scheduler import SchedulerConfig
+from dtrain.config.section import Section
 from dtrain.config.settings import coerce, describe, inline, key_name, parse_value, tomllib, where
+from dtrain.config.training import TrainingConfig
 from dtrain.errors import ConfigError
 
 # Old name -> new name. The old one alone still sets the new one, and a note says so; both is refused.

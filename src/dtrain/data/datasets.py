@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from dtrain import factory
 from dtrain.config import Config, DataConfig
-from dtrain.config.sections import DATA_GIVES
+from dtrain.config.model import DATA_GIVES
 from dtrain.data import mnist, packing, tokens
 from dtrain.errors import DataError
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from dtrain import factory
 from dtrain.config import Config, ModelConfig
-from dtrain.config.sections import kind_problem
+from dtrain.config.model import kind_problem
 from dtrain.errors import ConfigError
 
 
