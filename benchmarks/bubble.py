@@ -7,7 +7,7 @@ work timed on real processes, its idle share of the step beside the schedule's t
 
 dtrain's own `pp_bubble` (console, metrics.jsonl, TensorBoard, `dtrain report`) is the schedule's theory,
 (p−1)/(v·m+p−1), not a measurement. Here each worker trains the built-in GPT of W2
-(benchmarks/gpt_tokens.py, `--layers` blocks) with `distributed.pp_size = 2` and
+(benchmarks/gpt_tokens.py, `--layers` blocks) with `parallel.pp_size = 2` and
 `training.grad_accum_steps = --micro-batches`, and times, per optimizer step, the schedule's whole
 `step` and, inside it, every stage action's forward and backward (`forward_one_chunk`,
 `backward_one_chunk`, and the last stage's loss). A stage's idle share is 1 − busy / step; the table
@@ -80,7 +80,7 @@ def worker(schedule: str, split: str, layers: int, micro: int, steps: int, warmu
             "run": {"dir": str(out.parent / "run"), "seed": SEED},
             "data": {"batch_size": BATCH},
             "optimizer": {"name": "adamw", "lr": LR},
-            "distributed": {"pp_size": 2, "pp_schedule": schedule, "pp_split": split},
+            "parallel": {"pp_size": 2, "pp_schedule": schedule, "pp_split": split},
             "training": {"epochs": 1, "max_steps": steps, "log_every": steps, "grad_accum_steps": micro},
         }
     )
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="the GPT's blocks, cut into the stages")
     parser.add_argument("--micro-batches", type=int, default=4, help="training.grad_accum_steps")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="from: " + ", ".join(SCHEDULES))
-    parser.add_argument("--splits", default="cost,count", help="distributed.pp_split: from cost, count")
+    parser.add_argument("--splits", default="cost,count", help="parallel.pp_split: from cost, count")
     parser.add_argument("--data", type=Path, default=Path("data/stdlib"), help="a `dtrain prepare` folder")
     parser.add_argument("--worker", choices=SCHEDULES, help=argparse.SUPPRESS)
     parser.add_argument("--split", default="cost", help=argparse.SUPPRESS)

@@ -196,10 +196,10 @@ check_split() {
     for name in "tensor parallel, tp 2" "pipeline parallel, pp 2, 1f1b" "context parallel, cp 2, ddp" \
             "context parallel, cp 2, fsdp"; do
         case $name in
-            tensor*) settings=(distributed.tp_size=2) ;;
-            pipeline*) settings=(distributed.pp_size=2 distributed.pp_schedule=1f1b) ;;
-            *ddp) settings=(distributed.cp_size=2) ;;
-            *fsdp) settings=(distributed.cp_size=2 distributed.strategy=fsdp) ;;
+            tensor*) settings=(parallel.tp_size=2) ;;
+            pipeline*) settings=(parallel.pp_size=2 parallel.pp_schedule=1f1b) ;;
+            *ddp) settings=(parallel.cp_size=2) ;;
+            *fsdp) settings=(parallel.cp_size=2 parallel.strategy=fsdp) ;;
         esac
         dir=$WORK/split-${name//[^a-z0-9]/}
         if [ -f "$WORK/split-one/metrics.jsonl" ] && LIMIT=180 dtrain run "${SPLIT_JOB[@]}" --nproc 2 \

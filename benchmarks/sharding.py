@@ -35,18 +35,18 @@ from harness import ratio_table, run_workers
 
 VARIANTS = {  # name → dtrain settings (None: Accelerate)
     "ddp": {},
-    "fsdp": {"distributed": {"strategy": "fsdp"}},
-    "fsdp+ac": {"distributed": {"strategy": "fsdp"}, "training": {"activation_checkpointing": "selective"}},
-    "fsdp-zero2": {"distributed": {"strategy": "fsdp", "reshard_after_forward": False}},
+    "fsdp": {"parallel": {"strategy": "fsdp"}},
+    "fsdp+ac": {"parallel": {"strategy": "fsdp"}, "training": {"activation_checkpointing": "selective"}},
+    "fsdp-zero2": {"parallel": {"strategy": "fsdp", "reshard_after_forward": False}},
     "ddp+compile": {"training": {"compile": "blocks"}},
-    "fsdp+compile": {"distributed": {"strategy": "fsdp"}, "training": {"compile": "blocks"}},
-    "tp": {"distributed": {"tp_size": 2}},  # with 2 processes: tp 2 alone
-    "fsdp+tp": {"distributed": {"strategy": "fsdp", "tp_size": 2}},  # from 4 processes: fsdp N/2 × tp 2
+    "fsdp+compile": {"parallel": {"strategy": "fsdp"}, "training": {"compile": "blocks"}},
+    "tp": {"parallel": {"tp_size": 2}},  # with 2 processes: tp 2 alone
+    "fsdp+tp": {"parallel": {"strategy": "fsdp", "tp_size": 2}},  # from 4 processes: fsdp N/2 × tp 2
     # Pipeline stages over 4 accumulation micro-batches (a step then trains 4 × the windows of the others).
-    "pp-gpipe": {"distributed": {"pp_size": 2, "pp_schedule": "gpipe"}, "training": {"grad_accum_steps": 4}},
-    "pp-1f1b": {"distributed": {"pp_size": 2, "pp_schedule": "1f1b"}, "training": {"grad_accum_steps": 4}},
+    "pp-gpipe": {"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "training": {"grad_accum_steps": 4}},
+    "pp-1f1b": {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}, "training": {"grad_accum_steps": 4}},
     "pp-interleaved": {
-        "distributed": {"pp_size": 2, "pp_schedule": "interleaved_1f1b"},
+        "parallel": {"pp_size": 2, "pp_schedule": "interleaved_1f1b"},
         "training": {"grad_accum_steps": 4},
     },
     "accelerate": None,  # FSDP2 on GPUs; on CPUs its DDP (see run_accelerate)
@@ -65,7 +65,7 @@ def run_dtrain(settings: dict, data: Path, steps: int, log_every: int, scratch: 
             "run": {"dir": str(run_dir), "seed": SEED},
             "data": {"batch_size": BATCH},
             "optimizer": {"name": "adamw", "lr": LR},
-            "distributed": settings.get("distributed", {}),
+            "parallel": settings.get("parallel", {}),
             "training": {"epochs": 1, "max_steps": steps, "log_every": log_every, **settings.get("training", {})},
         }
     )

@@ -21,10 +21,10 @@ def test_defaults_and_required_keys_exist():
         "training.max_grad_norm",
         "distributed.backend",
         "distributed.init_method",
-        "distributed.bucket_cap_mb",
-        "distributed.gradient_as_bucket_view",
-        "distributed.static_graph",
-        "distributed.find_unused_parameters",
+        "ddp.bucket_cap_mb",
+        "ddp.gradient_as_bucket_view",
+        "ddp.static_graph",
+        "ddp.find_unused_parameters",
         "data.num_workers",
         "data.pin_memory",
         "data.persistent_workers",
@@ -47,7 +47,7 @@ def test_file_then_overrides_with_toml_typed_values(tmp_path):
             "run.dir=runs/x y",
             "data.input_shape=[3, 8, 8]",
             "training.precision=bf16",
-            "distributed.static_graph=true",
+            "ddp.static_graph=true",
             "optimizer.momentum=0",
         ],
     )
@@ -56,7 +56,7 @@ def test_file_then_overrides_with_toml_typed_values(tmp_path):
     assert c.run.dir == "runs/x y"
     assert c.data.input_shape == [3, 8, 8]
     assert c.training.precision == "bf16"
-    assert c.distributed.static_graph is True
+    assert c.ddp.static_graph is True
     assert c.optimizer.momentum == 0.0 and isinstance(c.optimizer.momentum, float)
 
 
@@ -94,7 +94,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("optimizer.momentum=1.5", "optimizer.momentum must be <= 1; got 1.5"),
         ("training.precision=fp8", "training.precision must be one of fp32, bf16, fp16; got 'fp8'"),
         ("distributed.backend=ncl", "did you mean 'nccl'?"),
-        ("distributed.static_graph=yes", "distributed.static_graph must be true or false"),
+        ("ddp.static_graph=yes", "ddp.static_graph must be true or false"),
         ("data.input_shape=7", "data.input_shape must be a list"),
         ("distributed.init_method=udp://x:1", "distributed.init_method = 'udp://x:1' is not supported"),
         ("distributed.init_method=tcp://host", "needs a port"),
@@ -104,7 +104,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("epochs", "override 'epochs' is not key=value"),
         ("training=3", "names a section, not a key"),
         ("optimizer.lr=1e39", "optimizer.lr = 1e+39 is beyond what a 32-bit float holds (about 3.4e38)"),
-        ("distributed.bucket_cap_mb=1e300", "distributed.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
+        ("ddp.bucket_cap_mb=1e300", "ddp.bucket_cap_mb = 1e+300 is beyond what a 32-bit float holds"),
         ("distributed.timeout_s=1e30", "distributed.timeout_s must be <= 31536000; got 1e+30"),
         ("data.num_workers=99999", "data.num_workers must be <= 1024; got 99999"),
         ("distributed.timeout_s=0.01", "distributed.timeout_s must be >= 5; got 0.01"),
@@ -117,7 +117,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("distributed.init_method=file:///no/such/dir/x", "names a file in /no/such/dir, which is not a folder here"),
         ("run.dir=runs/v\udcff", "run.dir = 'runs/v\\udcff' holds bytes that are not UTF-8 text"),
         ("training.compile=yes", "training.compile must be one of none, blocks, model (or true, false); got 'yes'"),
-        ("distributed.strategy=FSDP", "did you mean 'fsdp'?"),
+        ("parallel.strategy=FSDP", "did you mean 'fsdp'?"),
         (
             'run.dir="abc',
             'run.dir = "abc on the command line: its quotes do not pair up into one string; write run.dir=abc',

@@ -283,7 +283,7 @@ def test_a_checkpoint_from_an_unfused_optimizer_resumes_into_a_fused_one(fp16_on
 
 def wrap_with(monkeypatch, tmp_path, error):
     """parallel.ddp's wrap, with torch's DistributedDataParallel failing as `error`."""
-    from dtrain.config import DistributedConfig
+    from dtrain.config import DDPConfig
     from dtrain.parallel import ddp
 
     def failing_ddp(*args, **kwargs):
@@ -291,7 +291,7 @@ def wrap_with(monkeypatch, tmp_path, error):
 
     monkeypatch.setattr(ddp, "DistributedDataParallel", failing_ddp)
     strategy = ddp.DDP.__new__(ddp.DDP)  # only what _wrap reads: no process group needed
-    strategy.module, strategy.config = model(), DistributedConfig()
+    strategy.module, strategy.options = model(), DDPConfig()
     strategy.session = distributed.Session(DistEnv(), "gloo", torch.device("cpu"), owns_group=False)
     return strategy._wrap
 
@@ -328,8 +328,8 @@ def test_out_of_memory_while_setting_up_gets_the_same_advice(tmp_path):
 
 
 SPLITS = [  # the GPT has a tensor-parallel plan and blocks to stage
-    "distributed.tp_size=2 (each layer's weights split over 2 processes of a node)",
-    "distributed.pp_size=2 (the model's blocks split into 2 pipeline stages)",
+    "parallel.tp_size=2 (each layer's weights split over 2 processes of a node)",
+    "parallel.pp_size=2 (the model's blocks split into 2 pipeline stages)",
 ]
 
 
@@ -340,12 +340,12 @@ SPLITS = [  # the GPT has a tensor-parallel plan and blocks to stage
             "ddp",
             False,
             [
-                "distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)",
+                "parallel.strategy=fsdp (parameters, gradients and optimizer state sharded)",
                 "training.activation_checkpointing=full",
                 *SPLITS,
             ],
         ),
-        ("fsdp", False, ["training.activation_checkpointing=full", "distributed.fsdp_cpu_offload=true", *SPLITS]),
+        ("fsdp", False, ["training.activation_checkpointing=full", "parallel.fsdp_cpu_offload=true", *SPLITS]),
         ("fsdp", True, ["training.activation_checkpointing=full", *SPLITS]),
     ],
 )
@@ -360,7 +360,7 @@ def test_a_gpu_out_of_memory_names_the_memory_levers_that_are_off(tmp_path, stra
         {
             "run": {"dir": str(tmp_path)},
             "training": {"precision": "bf16"},
-            "distributed": {"strategy": strategy, "fsdp_cpu_offload": offload},
+            "parallel": {"strategy": strategy, "fsdp_cpu_offload": offload},
         }
     )
     module = GPT(16, block_size=8, n_layer=2, n_head=2, n_embd=8)

@@ -14,31 +14,31 @@ IDLE = "note: these settings do nothing in this job and are ignored: "
     [
         (
             [
-                "distributed.fsdp_cpu_offload=true",
-                "distributed.reshard_after_forward=false",
-                "distributed.hsdp_shard_size=2",
+                "parallel.fsdp_cpu_offload=true",
+                "parallel.reshard_after_forward=false",
+                "parallel.hsdp_shard_size=2",
                 'model.blocks=["Linear"]',
             ],
-            "distributed.reshard_after_forward = false (an FSDP setting; distributed.strategy = ddp); "
-            "distributed.fsdp_cpu_offload = true (an FSDP setting; distributed.strategy = ddp); "
-            "distributed.hsdp_shard_size = 2 (an hsdp setting; distributed.strategy = ddp); "
+            "parallel.reshard_after_forward = false (an FSDP setting; parallel.strategy = ddp); "
+            "parallel.fsdp_cpu_offload = true (an FSDP setting; parallel.strategy = ddp); "
+            "parallel.hsdp_shard_size = 2 (an hsdp setting; parallel.strategy = ddp); "
             'model.blocks = ["Linear"] (DDP uses blocks only for training.activation_checkpointing and '
             "training.compile=blocks, both off)",
         ),
         (
             [
-                "distributed.strategy=fsdp",
-                "distributed.static_graph=true",
-                "distributed.bucket_cap_mb=50",
-                "distributed.shared_memory_allreduce=false",
-                "distributed.hsdp_shard_size=2",
+                "parallel.strategy=fsdp",
+                "ddp.static_graph=true",
+                "ddp.bucket_cap_mb=50",
+                "ddp.shared_memory_allreduce=false",
+                "parallel.hsdp_shard_size=2",
                 "model.name=cnn",
                 "model.hidden_size=3",
             ],
-            "distributed.bucket_cap_mb = 50.0 (a DDP setting; distributed.strategy = fsdp); "
-            "distributed.static_graph = true (a DDP setting; distributed.strategy = fsdp); "
-            "distributed.shared_memory_allreduce = false (a DDP setting; distributed.strategy = fsdp); "
-            "distributed.hsdp_shard_size = 2 (an hsdp setting; distributed.strategy = fsdp); "
+            "ddp.bucket_cap_mb = 50.0 (a DDP setting; parallel.strategy = fsdp); "
+            "ddp.static_graph = true (a DDP setting; parallel.strategy = fsdp); "
+            "ddp.shared_memory_allreduce = false (a DDP setting; parallel.strategy = fsdp); "
+            "parallel.hsdp_shard_size = 2 (an hsdp setting; parallel.strategy = fsdp); "
             "model.hidden_size = 3 (the built-in mlp's width; model.name = cnn)",
         ),
         (
@@ -47,14 +47,14 @@ IDLE = "note: these settings do nothing in this job and are ignored: "
             "data.pad_token_id = 0 (a padding setting; data.padding = none)",
         ),
         # Each of these does something here: nothing to say.
-        (["distributed.strategy=fsdp", "distributed.fsdp_cpu_offload=true", 'model.blocks=["Linear"]'], None),
+        (["parallel.strategy=fsdp", "parallel.fsdp_cpu_offload=true", 'model.blocks=["Linear"]'], None),
         (
-            ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=2", "distributed.reshard_after_forward=false"],
+            ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "parallel.reshard_after_forward=false"],
             None,
         ),
         (['model.blocks=["Linear"]', "training.activation_checkpointing=full"], None),
         (["data.padding=longest", "data.pad_to_multiple_of=8", "data.pad_token_id=0"], None),
-        (['model.blocks=["Linear"]', "training.compile=blocks", "distributed.static_graph=true"], None),
+        (['model.blocks=["Linear"]', "training.compile=blocks", "ddp.static_graph=true"], None),
     ],
 )
 def test_settings_that_do_nothing_are_named_in_one_note(overrides, said):
@@ -69,16 +69,12 @@ def test_shuffle_under_random_windows_is_named_in_the_note():
 
 
 def test_pipeline_settings_without_a_pipeline_are_named_in_the_note():
-    result = ok(
-        dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe", "distributed.pp_split=count")
-    )
-    why = "(a pipeline setting; distributed.pp_size = 1)"
-    said = f'distributed.pp_schedule = "gpipe" {why}; distributed.pp_split = "count" {why}'
+    result = ok(dtrain("config", "examples/gpt_stdlib.toml", "parallel.pp_schedule=gpipe", "parallel.pp_split=count"))
+    why = "(a pipeline setting; parallel.pp_size = 1)"
+    said = f'parallel.pp_schedule = "gpipe" {why}; parallel.pp_split = "count" {why}'
     assert result.stderr.splitlines() == [IDLE + said]
     assert (
-        ok(
-            dtrain("config", "examples/gpt_stdlib.toml", "distributed.pp_schedule=gpipe", "distributed.pp_size=2")
-        ).stderr
+        ok(dtrain("config", "examples/gpt_stdlib.toml", "parallel.pp_schedule=gpipe", "parallel.pp_size=2")).stderr
         == ""
     )
 
@@ -93,12 +89,12 @@ def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
         "--nproc",
         "2",
         f"run.dir={tmp_path / 'run'}",
-        "distributed.fsdp_cpu_offload=true",
+        "parallel.fsdp_cpu_offload=true",
         'model.blocks=["Linear", "Linera"]',
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        IDLE + "distributed.fsdp_cpu_offload = true (an FSDP setting; distributed.strategy = ddp); "
+        IDLE + "parallel.fsdp_cpu_offload = true (an FSDP setting; parallel.strategy = ddp); "
         'model.blocks = ["Linear", "Linera"] (DDP uses blocks only for training.activation_checkpointing and '
         "training.compile=blocks, both off)",
         "dtrain: error: model.blocks = ['Linear', 'Linera']: Linera names no module of this model (Linear "
@@ -109,11 +105,11 @@ def test_a_run_says_the_note_once_and_refuses_blocks_naming_no_module(tmp_path):
 
 def test_fsdp_over_one_data_parallel_process_is_said_to_shard_nothing(warm, json_byte_tokens, tmp_path):
     """tp 2 on 2 processes leaves one data-parallel process: FSDP has nothing to shard over, said once."""
-    args = ["distributed.tp_size=2", "distributed.strategy=fsdp", "training.max_steps=1"]
+    args = ["parallel.tp_size=2", "parallel.strategy=fsdp", "training.max_steps=1"]
     args += ["model.options={n_layer = 2, n_head = 2, n_embd = 32}"]
     err = ok(warm(*gpt_on_tokens(json_byte_tokens, tmp_path / "run", *args, block=16))).stderr
     note = (
-        "note: distributed.strategy = fsdp shards over the data-parallel processes and this job has one "
+        "note: parallel.strategy = fsdp shards over the data-parallel processes and this job has one "
         "(2 processes, each a tensor or pipeline part of one replica): it shards nothing"
     )
     assert err.count(note) == 1, err

@@ -1,14 +1,21 @@
-"""A renamed config key: `distributed.fsdp_units` is now `model.blocks`. The old name alone still
-works, with one note per job (not one per process that loads the config); both names are refused."""
+"""Renamed config keys: `distributed.fsdp_units` is now `model.blocks`, and [distributed]'s keys of the
+layout and of DDP moved to [parallel] and [ddp]. The old names alone still work, with one note per job
+(not one per process that loads the config); both names are refused. A run.dir written before the move
+resumes (tests/fixtures/before_parallel_section: written by the code before it)."""
 
 import re
+import shutil
 
 import pytest
 import tomllib
+import torch
+from safetensors.torch import load_file
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
-from helpers import ROOT, dtrain, ok
+from helpers import ROOT, dtrain, eval_lines, ok
+
+BEFORE_THE_SPLIT = ROOT / "tests" / "fixtures" / "before_parallel_section"
 
 NOTE = (
     "distributed.fsdp_units is now model.blocks; the value {where} was used as model.blocks: write model.blocks instead"
@@ -85,3 +92,44 @@ def test_a_library_user_gets_a_future_warning(tmp_path):
     assert config.model.blocks == ["Linear"]
     with pytest.raises(ConfigError, match="are one setting"):
         load_config(job, ['model.blocks=["Linear"]', 'distributed.fsdp_units=["Linear"]'])
+
+
+def test_a_run_dir_and_config_written_before_the_parallel_section_resume_with_one_note(warm, tmp_path):
+    """The fixture is a run of 2 processes under FSDP (reshard_after_forward = false) of 4 steps, stopped at
+    step 2 by the code before [parallel] and [ddp] existed: its config.toml says all twenty keys under
+    [distributed], its checkpoint's setup names distributed.strategy. That config, given again, resumes the
+    run with one note naming the moves; it ends with the weights of the same run trained in one go under
+    the new names. Resumed under DDP instead, the checkpoint's old names are read as the new ones: the
+    change of strategy is said."""
+    old_job = tmp_path / "old.toml"
+    shutil.copy(BEFORE_THE_SPLIT / "config.toml", old_job)
+    assert "strategy" in tomllib.loads(old_job.read_text())["distributed"]
+    resumed, moved_to_ddp = tmp_path / "resumed", tmp_path / "moved_to_ddp"
+    for copy in (resumed, moved_to_ddp):
+        shutil.copytree(BEFORE_THE_SPLIT, copy)
+    go_on = ["--nproc", "2", "training.stop_at_step=0", "monitor.trackers=[]"]
+    result = ok(warm("run", str(old_job), f"run.dir={resumed}", *go_on))
+    notes = [line for line in result.stderr.splitlines() if "moved" in line]
+    assert notes == [
+        f"note: 16 keys in {old_job} have moved (strategy, reshard_after_forward, fsdp_cpu_offload, "
+        "hsdp_shard_size, tp_size, pp_size, pp_schedule, pp_stages_per_rank, pp_split, cp_size from [distributed] "
+        "to [parallel]; bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters, "
+        "shared_memory_allreduce, comm_hook from [distributed] to [ddp]); their values were used: write them "
+        "there instead"
+    ], result.stderr
+    assert f"resumed from {resumed / 'checkpoints' / 'step-2'}" in result.stderr
+    assert "config changed" not in result.stderr  # fsdp then and now: the old names are the new ones
+    written = tomllib.loads((resumed / "config.toml").read_text())
+    assert written["parallel"]["strategy"] == "fsdp" and "strategy" not in written["distributed"]
+
+    new_job = tmp_path / "new.toml"
+    new_job.write_text((resumed / "config.toml").read_text())  # the same run, said under the new names
+    in_one_go = tmp_path / "in_one_go"
+    result = ok(warm("run", str(new_job), f"run.dir={in_one_go}", *go_on))
+    assert "moved" not in result.stderr and "note: 1" not in result.stderr
+    weights, again = load_file(resumed / "model.safetensors"), load_file(in_one_go / "model.safetensors")
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    assert eval_lines(resumed)[-1]["eval_loss"] == eval_lines(in_one_go)[-1]["eval_loss"]
+
+    result = ok(warm("run", str(old_job), f"run.dir={moved_to_ddp}", "parallel.strategy=ddp", *go_on))
+    assert "the config changed since that checkpoint (parallel.strategy fsdp → ddp)" in result.stderr

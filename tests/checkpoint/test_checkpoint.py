@@ -262,7 +262,7 @@ def test_sigterm_writes_one_checkpoint_and_asks_to_be_requeued(pool, reference, 
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 40))
 
 
-FSDP = "distributed.strategy=fsdp"
+FSDP = "parallel.strategy=fsdp"
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def gpt_ddp(warm, prepared, tmp_path_factory):
 def gpt_fsdp(warm, prepared, tmp_path_factory):
     """The built-in GPT on 2 processes under FSDP (its checkpoints sharded), exported afterwards."""
     run_dir = tmp_path_factory.mktemp("gpt_fsdp")
-    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "distributed.strategy=fsdp", "--nproc", "2"))
+    ok(warm("run", *GPT, f"data.path={prepared}", f"run.dir={run_dir}", "parallel.strategy=fsdp", "--nproc", "2"))
     ok(run_dtrain("export", str(run_dir), "--format", "hf"))
     return run_dir
 
@@ -70,7 +70,7 @@ def hf_runs(warm, tmp_path_factory):
     for kind, strategy in (("gpt2", "ddp"), ("llama", "fsdp")):
         runs[kind] = tmp_path_factory.mktemp(kind)
         script = str(WORKERS / "hf_models.py")
-        ok(warm("launch", "--nproc", "2", script, kind, str(runs[kind]), f"distributed.strategy={strategy}"))
+        ok(warm("launch", "--nproc", "2", script, kind, str(runs[kind]), f"parallel.strategy={strategy}"))
     return runs
 
 

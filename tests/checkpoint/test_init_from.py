@@ -67,7 +67,7 @@ def gpt_loss(tokens: Path, state: dict[str, torch.Tensor], step: int = 1) -> flo
 def test_a_new_run_starts_from_a_run_s_weights_and_from_its_checkpoint_a_resumed_one_not(pool, first, tokens, tmp_path):
     ended = train_lines(first)
     # FSDP: each rank reads its rows of the file.
-    ok(pool.run(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
+    ok(pool.run(*job(tokens, tmp_path / "b", OPTIONS, "training.max_steps=1", "parallel.strategy=fsdp",
                    f"model.init_from={first / 'model.safetensors'}")))  # fmt: skip
     began = train_lines(tmp_path / "b")[0]["loss"]
     assert began == pytest.approx(gpt_loss(tokens, load_weights(first / "model.safetensors")), abs=1e-4)
@@ -150,7 +150,7 @@ def test_a_hugging_face_folder_trains_from_its_own_weights(pool, tokens, tmp_pat
     tiny_hf(kind, tmp_path / "hf")
     run_dir = tmp_path / "run"
     ok(pool.run(*job(tokens, run_dir, f"model.name={name}:{tmp_path / 'hf'}", options,
-                   "training.max_steps=2", f"distributed.strategy={strategy}")))  # fmt: skip
+                   "training.max_steps=2", f"parallel.strategy={strategy}")))  # fmt: skip
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
 
     def own_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def test_a_model_on_the_meta_device_that_nothing_would_fill_is_refused(tmp_path)
     # One process: nothing shards it.
     trainer = dtrain.Trainer(tiny.small_config(tmp_path / "run"), model=model, train_data=tiny.small_data())
     said = r"^the model's parameters \(0.weight, 0.bias, 2.weight, \.\.\.\) are on the meta device, and only "
-    with pytest.raises(ConfigError, match=said + "distributed.strategy = fsdp or hsdp on 2 or more processes"):
+    with pytest.raises(ConfigError, match=said + "parallel.strategy = fsdp or hsdp on 2 or more processes"):
         trainer.setup()
     # Sharded, with no weights to fill it.
     config = tiny.small_config(tmp_path / "run", distributed={"strategy": "fsdp"})

@@ -72,7 +72,7 @@ def test_a_fine_tuned_export_starts_where_its_run_ended_and_exports_again(export
 def test_the_built_in_gpt_continues_from_its_gpt2_export_under_fsdp(pool, exported, tokens, tmp_path):
     """GPT-2's Conv1D weights are the built-in GPT's transposed: under FSDP each rank reads its rows of
     the GPT's tensor, the file's columns. c_proj is square: read untransposed it would fit, and be wrong."""
-    ok(pool.run(*job(tokens, tmp_path / "run", OPTIONS, "training.max_steps=1", "distributed.strategy=fsdp",
+    ok(pool.run(*job(tokens, tmp_path / "run", OPTIONS, "training.max_steps=1", "parallel.strategy=fsdp",
                      f"model.init_from={exported / 'hf'}")))  # fmt: skip
     began = train_lines(tmp_path / "run")[0]["loss"]
     assert began == pytest.approx(gpt_loss(tokens, load_weights(exported / "model.safetensors")), abs=1e-4)

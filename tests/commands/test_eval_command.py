@@ -124,7 +124,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line(cli, trained, tmp_path):
 
 def test_a_run_trained_under_fsdp_evaluates_at_its_world_size_exactly_and_at_one_process(warm, pool, tmp_path):
     run_dir = tmp_path / "fsdp"
-    fsdp = ["distributed.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]
+    fsdp = ["parallel.strategy=fsdp", "training.epochs=1", "data.num_samples=200", "--nproc", "2"]
     ok(pool.run("run", *SMALL_JOB, *EVERY_5, *fsdp, f"run.dir={run_dir}"))
     logged = {line["step"]: line for line in eval_lines(run_dir)}
     two = evaluated(dtrain, run_dir, tmp_path / "two.json", "--step", "5", "--nproc", "2")

@@ -85,7 +85,7 @@ def test_a_hang_is_explained_and_ended_before_the_backend_timeout(tmp_path, comm
         "--nproc",
         "2",
         "distributed.hang_timeout_s=3",
-        f"distributed.comm_hook={comm_hook}",
+        f"ddp.comm_hook={comm_hook}",
         f"run.dir={tmp_path}",
     )
     elapsed = time.monotonic() - start
@@ -116,7 +116,7 @@ def test_a_parameter_the_forward_pass_skips_gets_a_clear_message(tmp_path):
             "run", *JOB, "model.name=faults:with_unused", "monitor.debug=true", "--nproc", "2", f"run.dir={tmp_path}"
         ),
         "the forward pass did not use these parameters: extra.weight, extra.bias",
-        "set distributed.find_unused_parameters=true",
+        "set ddp.find_unused_parameters=true",
     )
 
 

@@ -1,4 +1,4 @@
-"""Context parallel (`distributed.cp_size`): torch's ring attention has no CPU rule, so only its pure
+"""Context parallel (`parallel.cp_size`): torch's ring attention has no CPU rule, so only its pure
 logic and its refusals are tested here; `benchmarks/gpu_check.sh` compares it with one process on 2+ GPUs."""
 
 import json
@@ -15,25 +15,25 @@ from helpers import SMALL_JOB, WORKERS, dtrain, ok
 
 
 def test_context_parallel_off_cuda_is_refused_by_the_launcher_in_one_line(tmp_path):
-    result = dtrain("run", *SMALL_JOB, "distributed.cp_size=2", f"run.dir={tmp_path / 'run'}", "--nproc", "2")
+    result = dtrain("run", *SMALL_JOB, "parallel.cp_size=2", f"run.dir={tmp_path / 'run'}", "--nproc", "2")
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 2, result.stdout + result.stderr
     assert lines == [
-        "dtrain: error: distributed.cp_size = 2: context parallel splits attention over CUDA GPUs (torch's "
-        "context_parallel has no rule for it on the cpu); set distributed.cp_size=1"
+        "dtrain: error: parallel.cp_size = 2: context parallel splits attention over CUDA GPUs (torch's "
+        "context_parallel has no rule for it on the cpu); set parallel.cp_size=1"
     ]
     assert not (tmp_path / "run").exists()  # no worker started
 
 
 def test_on_cuda_context_parallel_is_accepted_but_not_with_packed_documents():
     def config(*overrides):
-        return load_config("examples/gpt_stdlib.toml", ["distributed.cp_size=2", *overrides])
+        return load_config("examples/gpt_stdlib.toml", ["parallel.cp_size=2", *overrides])
 
     assert check_sharding(config(), 2, 2, "cuda") is None
-    assert check_sharding(config("distributed.strategy=fsdp"), 4, 4, "cuda") is None
+    assert check_sharding(config("parallel.strategy=fsdp"), 4, 4, "cuda") is None
     assert check_sharding(config("data.packing=true"), 2, 2, "cuda") == (
-        "distributed.cp_size = 2 runs causal ring attention, and data.packing = true needs a mask per "
-        "document it cannot take; set data.packing=false or distributed.cp_size=1"
+        "parallel.cp_size = 2 runs causal ring attention, and data.packing = true needs a mask per "
+        "document it cannot take; set data.packing=false or parallel.cp_size=1"
     )
 
 
@@ -50,7 +50,7 @@ def test_the_sequence_tensors_of_a_batch_are_split_and_per_sample_ones_are_not()
 def test_sequences_must_divide_into_two_chunks_per_process():
     assert check_length(64, 2) is None and check_length(64, 4) is None
     assert check_length(30, 4) == (
-        "distributed.cp_size = 4 splits each sequence into 8 equal chunks and a sequence of 30 tokens does "
+        "parallel.cp_size = 4 splits each sequence into 8 equal chunks and a sequence of 30 tokens does "
         "not divide into them; set data.block_size to a multiple of 8"
     )
 
@@ -67,8 +67,8 @@ def test_the_gpt_reads_its_positions_from_context_parallel_and_other_models_are_
     with pytest.raises(ConfigError) as caught:
         ContextParallel(torch.nn.Linear(2, 2), mesh=None)  # type: ignore[arg-type]
     assert str(caught.value) == (
-        "distributed.cp_size > 1 splits the sequences of the built-in GPT (model.name=gpt), whose positions it "
-        "can split too; Linear has no `sequence_positions`: set distributed.cp_size=1"
+        "parallel.cp_size > 1 splits the sequences of the built-in GPT (model.name=gpt), whose positions it "
+        "can split too; Linear has no `sequence_positions`: set parallel.cp_size=1"
     )
 
 

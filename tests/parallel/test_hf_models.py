@@ -24,11 +24,11 @@ def launch_gpt2(warm, out, *overrides: str) -> dict:
 def test_activation_checkpointing_of_a_hugging_face_model_is_its_own(warm, strategy, tmp_path):
     """training.activation_checkpointing on a model with its own (GPT-2's gradient_checkpointing_enable)
     turns that on, cache off, rather than wrapping its blocks a second way; it takes the plain steps."""
-    plain = launch_gpt2(warm, tmp_path / "plain", f"distributed.strategy={strategy}")
+    plain = launch_gpt2(warm, tmp_path / "plain", f"parallel.strategy={strategy}")
     assert not plain["checkpointing"]
     for mode in ("full", "selective"):
         facts = launch_gpt2(
-            warm, tmp_path / mode, f"distributed.strategy={strategy}", f"training.activation_checkpointing={mode}"
+            warm, tmp_path / mode, f"parallel.strategy={strategy}", f"training.activation_checkpointing={mode}"
         )
         assert facts["checkpointing"] and all(facts["blocks_checkpointing"]), facts
         assert not any(facts["forward_replaced"]) and facts["use_cache"] is False, facts

@@ -13,11 +13,11 @@ def test_a_hugging_face_model_under_pipeline_parallel_is_refused_first_in_one_li
     config = transformers.GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     # grad_accum_steps = 1 is wrong for 2 stages too: the Hugging Face reason comes first.
-    args = [f"model.name=hf:{folder}", "distributed.pp_size=2", "training.grad_accum_steps=1", "training.max_steps=2"]
+    args = [f"model.name=hf:{folder}", "parallel.pp_size=2", "training.grad_accum_steps=1", "training.max_steps=2"]
     result = dtrain(*gpt_on_tokens(json_byte_tokens, tmp_path / "run", *args, block=16))
     message = (
-        f"distributed.pp_size = 2 with model.name = 'hf:{folder}': a Hugging Face model's forward does not "
-        f"pass over the blocks a pipeline stage lacks; set distributed.pp_size=1"
+        f"parallel.pp_size = 2 with model.name = 'hf:{folder}': a Hugging Face model's forward does not "
+        f"pass over the blocks a pipeline stage lacks; set parallel.pp_size=1"
     )
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]

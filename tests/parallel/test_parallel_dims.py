@@ -12,10 +12,10 @@ from dtrain.parallel.dims import ParallelDims, tp_sizes
     "overrides, world, local, dims",
     [
         ([], 4, 4, ParallelDims(dp_replicate=4)),
-        (["distributed.strategy=fsdp"], 4, 2, ParallelDims(dp_shard=4)),
-        (["distributed.strategy=hsdp"], 8, 4, ParallelDims(dp_replicate=2, dp_shard=4)),  # a node per group
+        (["parallel.strategy=fsdp"], 4, 2, ParallelDims(dp_shard=4)),
+        (["parallel.strategy=hsdp"], 8, 4, ParallelDims(dp_replicate=2, dp_shard=4)),  # a node per group
         (
-            ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=2"],
+            ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2"],
             8,
             8,
             ParallelDims(dp_replicate=4, dp_shard=2),
@@ -37,29 +37,29 @@ def test_the_strategy_fills_its_dimensions_with_every_process(overrides, world, 
 )
 def test_hsdp_groups_a_nodes_data_parallel_ranks_of_one_stage_by_default(world, local, dims):
     """hsdp × pp × tp: the shard groups default to the data-parallel ranks one node holds of one stage."""
-    overrides = ["distributed.strategy=hsdp", "distributed.pp_size=2", "distributed.tp_size=2"]
+    overrides = ["parallel.strategy=hsdp", "parallel.pp_size=2", "parallel.tp_size=2"]
     assert ParallelDims.from_config(load_config(None, overrides), world, local) == dims
 
 
 def test_shard_groups_that_do_not_divide_the_processes_are_refused_in_one_line():
-    config = load_config(None, ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=3"])
+    config = load_config(None, ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"])
     with pytest.raises(ConfigError) as caught:
         ParallelDims.from_config(config, 4, 4)
     assert str(caught.value) == (
-        "distributed.strategy = 'hsdp' shards over groups of 3 processes (distributed.hsdp_shard_size, "
+        "parallel.strategy = 'hsdp' shards over groups of 3 processes (parallel.hsdp_shard_size, "
         "default: the processes of one node) and 4 data-parallel processes do not divide into them; set "
-        "distributed.hsdp_shard_size to a divisor of 4"
+        "parallel.hsdp_shard_size to a divisor of 4"
     )
 
 
 @pytest.mark.parametrize(
     "overrides, world, local, dims",
     [
-        (["distributed.tp_size=2"], 4, 4, ParallelDims(dp_replicate=2, tp=2)),
-        (["distributed.strategy=fsdp", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_shard=4, tp=2)),
-        (["distributed.pp_size=2", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, pp=2, tp=2)),
+        (["parallel.tp_size=2"], 4, 4, ParallelDims(dp_replicate=2, tp=2)),
+        (["parallel.strategy=fsdp", "parallel.tp_size=2"], 8, 4, ParallelDims(dp_shard=4, tp=2)),
+        (["parallel.pp_size=2", "parallel.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, pp=2, tp=2)),
         # hsdp's default group: the data-parallel ranks of one node (4 processes, 2 per tp group)
-        (["distributed.strategy=hsdp", "distributed.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, dp_shard=2, tp=2)),
+        (["parallel.strategy=hsdp", "parallel.tp_size=2"], 8, 4, ParallelDims(dp_replicate=2, dp_shard=2, tp=2)),
     ],
 )
 def test_the_data_dimensions_take_what_the_model_splits_leave(overrides, world, local, dims):
@@ -81,25 +81,25 @@ def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
     "overrides, world, local, message",
     [
         (
-            ["distributed.tp_size=2", "distributed.pp_size=2"],
+            ["parallel.tp_size=2", "parallel.pp_size=2"],
             6,
             6,
-            "distributed.tp_size = 2 × distributed.pp_size = 2 splits the model over 4 processes and the job "
+            "parallel.tp_size = 2 × parallel.pp_size = 2 splits the model over 4 processes and the job "
             "has 6; run a multiple of 4 processes (4, 8, 12, 16, ...) or set sizes whose product divides 6 "
             "(checkpoints resume under any layout)",
         ),
         (
-            ["distributed.tp_size=2"],
+            ["parallel.tp_size=2"],
             1,
             1,
-            "distributed.tp_size = 2 splits the model over 2 processes and the job has 1; run a multiple of 2 "
-            "processes (2, 4, 6, 8, ...) or set distributed.tp_size=1 (checkpoints resume under any layout)",
+            "parallel.tp_size = 2 splits the model over 2 processes and the job has 1; run a multiple of 2 "
+            "processes (2, 4, 6, 8, ...) or set parallel.tp_size=1 (checkpoints resume under any layout)",
         ),
         (
-            ["distributed.tp_size=4"],
+            ["parallel.tp_size=4"],
             8,
             2,
-            "distributed.tp_size × cp_size = 4 would span nodes of 2 processes (their all-gathers run every "
+            "parallel.tp_size × cp_size = 4 would span nodes of 2 processes (their all-gathers run every "
             "layer and need the node's fast links); use a divisor of 2, with FSDP or pipeline stages across "
             "the nodes",
         ),
@@ -113,9 +113,9 @@ def test_layouts_that_do_not_fit_the_world_are_refused_in_one_line(overrides, wo
 
 def test_the_tensor_parallel_sizes_a_world_takes_leave_room_for_the_other_sizes_and_stay_in_a_node():
     assert tp_sizes(load_config(None, []), 6, 6) == [1, 2, 3, 6]
-    assert tp_sizes(load_config(None, ["distributed.pp_size=2"]), 8, 8) == [1, 2, 4]
+    assert tp_sizes(load_config(None, ["parallel.pp_size=2"]), 8, 8) == [1, 2, 4]
     assert tp_sizes(load_config(None, []), 16, 4) == [1, 2, 4]  # 8 and 16 would span nodes of 4
-    assert tp_sizes(load_config(None, ["distributed.pp_size=3"]), 3, 3) == [1]
+    assert tp_sizes(load_config(None, ["parallel.pp_size=3"]), 3, 3) == [1]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Pipeline parallel (`distributed.pp_size = 2`): the built-in GPT's 4 blocks over 2 real processes on
+"""Pipeline parallel (`parallel.pp_size = 2`): the built-in GPT's 4 blocks over 2 real processes on
 gloo, launched by the real CLI, against the same job on one process — per-step losses, eval loss and
 final weights within 1e-5 under each schedule, with accumulation (the pipeline's micro-batches) and
 clipping (by the norm over both stages); resume across layouts; the bubble; refusals in one line."""
@@ -41,7 +41,7 @@ SETTINGS = [
 
 
 def job(tokens: Path, run_dir: Path, *args: str, nproc: int = 2, pp: int = 2, batch: int = 4) -> list[str]:
-    split = [f"distributed.pp_size={pp}"] if nproc > 1 else []
+    split = [f"parallel.pp_size={pp}"] if nproc > 1 else []
     return [*gpt_on_tokens(tokens, run_dir, *SETTINGS, *split, *args, block=16, batch=batch), "--nproc", str(nproc)]
 
 
@@ -77,7 +77,7 @@ def assert_same_run(reference: Path, run_dir: Path, first_step: int = 1) -> None
     [("gpipe", 1 / (ACCUM + 1)), ("1f1b", 1 / (ACCUM + 1)), ("interleaved_1f1b", 1 / (2 * ACCUM + 1))],
 )
 def test_two_stages_train_as_one_process_under_each_schedule(warm, one_process, tokens, tmp_path, schedule, bubble):
-    result = ok(warm(*job(tokens, tmp_path, f"distributed.pp_schedule={schedule}")))
+    result = ok(warm(*job(tokens, tmp_path, f"parallel.pp_schedule={schedule}")))
     assert_same_run(one_process, tmp_path)
     assert all(m["grad_norm"] > 0.3 for m in train_lines(one_process))  # clipped every step
     # The schedule's idle share, (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), on every step line.
@@ -122,7 +122,7 @@ def test_sigterm_under_pp2_checkpoints_and_the_same_command_resumes_bitwise(warm
 def test_two_pipelines_of_two_stages_train_as_one_process(warm, one_process, tokens, tmp_path):
     """pp 2 × dp 2 (4 processes, each stage replicated over 2), each replica taking half of one process's
     batch: the stages' gradients averaged over their copies."""
-    ok(warm(*job(tokens, tmp_path, "distributed.pp_schedule=1f1b", nproc=4, batch=2)))
+    ok(warm(*job(tokens, tmp_path, "parallel.pp_schedule=1f1b", nproc=4, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 
@@ -133,7 +133,7 @@ def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(warm, one_process, tok
     averaged by the pipeline), under fsdp sharded over the 2 replicas as well (FSDP2 after TP, on one
     mesh). The tied embedding and head are summed shard by shard across the stages, the norm taken over
     stages and shards, the weights gathered whole."""
-    ok(warm(*job(tokens, tmp_path, "distributed.tp_size=2", f"distributed.strategy={strategy}", nproc=8, batch=2)))
+    ok(warm(*job(tokens, tmp_path, "parallel.tp_size=2", f"parallel.strategy={strategy}", nproc=8, batch=2)))
     assert_same_run(one_process, tmp_path)
 
 
@@ -141,9 +141,9 @@ def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(warm, one_process, tok
     "overrides, message",
     [
         (
-            ["distributed.pp_size=8", "training.grad_accum_steps=8"],
-            "distributed.pp_size = 8 makes 8 pipeline stages and the model has 4 blocks; use "
-            "distributed.pp_size = 2 or 3 or 4",
+            ["parallel.pp_size=8", "training.grad_accum_steps=8"],
+            "parallel.pp_size = 8 makes 8 pipeline stages and the model has 4 blocks; use "
+            "parallel.pp_size = 2 or 3 or 4",
         ),
         (
             ["training.grad_accum_steps=1"],
@@ -151,21 +151,21 @@ def test_pp2_dp2_tp2_on_8_processes_trains_as_one_process(warm, one_process, tok
             "and 2 stages need at least 2; set training.grad_accum_steps >= 2",
         ),
         (
-            ["distributed.pp_schedule=1f1b", "distributed.pp_stages_per_rank=2"],
-            "distributed.pp_stages_per_rank = 2 needs distributed.pp_schedule = 'interleaved_1f1b' ('1f1b' "
+            ["parallel.pp_schedule=1f1b", "parallel.pp_stages_per_rank=2"],
+            "parallel.pp_stages_per_rank = 2 needs parallel.pp_schedule = 'interleaved_1f1b' ('1f1b' "
             "runs one stage per process); set it to 1",
         ),
         (
-            ["distributed.strategy=fsdp", "distributed.pp_schedule=interleaved_1f1b"],
-            "distributed.pp_schedule = 'interleaved_1f1b' holds 2 stages per process, and distributed.strategy "
-            "= 'fsdp' shards one stage per process; use distributed.pp_schedule=1f1b (or gpipe), or "
-            "distributed.strategy=ddp",
+            ["parallel.strategy=fsdp", "parallel.pp_schedule=interleaved_1f1b"],
+            "parallel.pp_schedule = 'interleaved_1f1b' holds 2 stages per process, and parallel.strategy "
+            "= 'fsdp' shards one stage per process; use parallel.pp_schedule=1f1b (or gpipe), or "
+            "parallel.strategy=ddp",
         ),
     ],
 )
 def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(cli, tokens, tmp_path, overrides, message):
-    pp = 8 if "distributed.pp_size=8" in overrides else 2
-    nproc = 2 * pp if "distributed.strategy=fsdp" in overrides else pp  # 2 data-parallel processes to shard over
+    pp = 8 if "parallel.pp_size=8" in overrides else 2
+    nproc = 2 * pp if "parallel.strategy=fsdp" in overrides else pp  # 2 data-parallel processes to shard over
     result = cli(*job(tokens, tmp_path, *overrides, nproc=nproc, pp=pp))
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [f"dtrain: error: {message}"]
@@ -174,7 +174,7 @@ def test_what_a_pipeline_cannot_run_is_refused_by_the_launcher_in_one_line(cli, 
 
 def test_stages_are_cut_by_cost_so_the_stage_with_the_head_takes_fewer_blocks():
     """GPT-2 small (on the meta device): its head multiplies by 768 × 50257 weights, about 5.5 blocks'
-    worth, so 2 stages take 9 and 3 blocks (6 and 6 under distributed.pp_split = count); blocks of equal
+    worth, so 2 stages take 9 and 3 blocks (6 and 6 under parallel.pp_split = count); blocks of equal
     cost with free ends split by count, the first stages taking one more; every stage holds a block."""
     import torch
 

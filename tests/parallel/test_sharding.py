@@ -1,4 +1,4 @@
-"""Sharded training (distributed.strategy = fsdp | hsdp) against DDP, with real processes on gloo."""
+"""Sharded training (parallel.strategy = fsdp | hsdp) against DDP, with real processes on gloo."""
 
 import json
 import re
@@ -144,14 +144,14 @@ def test_hsdp_on_a_two_by_two_mesh_takes_the_steps_ddp_takes(warm_torchrun, tmp_
     "overrides, message",
     [
         (
-            ["distributed.strategy=fsdp", "training.precision=fp16"],
+            ["parallel.strategy=fsdp", "training.precision=fp16"],
             "training.precision = 'fp16' needs a gradient scaler that knows the shards",
         ),
         (
-            ["distributed.strategy=hsdp", "distributed.hsdp_shard_size=3"],
-            "distributed.strategy = 'hsdp' shards over groups of 3 processes",
+            ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"],
+            "parallel.strategy = 'hsdp' shards over groups of 3 processes",
         ),
-        (["distributed.strategy=fsdp", "distributed.comm_hook=fp16"], "distributed.comm_hook = 'fp16' is a DDP hook"),
+        (["parallel.strategy=fsdp", "ddp.comm_hook=fp16"], "ddp.comm_hook = 'fp16' is a DDP hook"),
         (
             ["training.compile=true", "CXX=no-such-c++"],
             "training.compile needs a C++ compiler to build CPU code and 'no-such-c++' (from CXX) is not on PATH",
@@ -226,7 +226,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(warm, tokens, whole, 
             "--nproc",
             "2",
             f"run.dir={tmp_path}",
-            f"distributed.strategy={before}",
+            f"parallel.strategy={before}",
             "training.stop_at_step=4",
         )
     )
@@ -238,7 +238,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(warm, tokens, whole, 
             "--nproc",
             str(nproc),
             f"run.dir={tmp_path}",
-            f"distributed.strategy={strategy}",
+            f"parallel.strategy={strategy}",
         )
     )
     assert (
@@ -246,7 +246,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(warm, tokens, whole, 
         f"keeps its global batch of 16 samples"
     ) in resumed.stderr
     assert (
-        f"the config changed since that checkpoint (distributed.strategy {before} → {strategy}): this run "
+        f"the config changed since that checkpoint (parallel.strategy {before} → {strategy}): this run "
         f"follows it from step 4\n"
     ) in resumed.stderr
     losses, reference = [m["loss"] for m in train_lines(tmp_path)], [m["loss"] for m in train_lines(whole)]
@@ -264,7 +264,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_on_4(warm, tokens, whole, 
             "--nproc",
             str(nproc),
             f"run.dir={tmp_path}",
-            f"distributed.strategy={strategy}",
+            f"parallel.strategy={strategy}",
         )
     )
     assert again.stderr.strip().splitlines() == [

@@ -22,7 +22,7 @@ GPT = [
     "checkpoint.every_steps=2",
     "model.options={n_layer = 2, n_head = 2, n_embd = 32}",
 ]
-LAYOUTS = {"one": ("1",), "tp2": ("2", "distributed.tp_size=2"), "pp2": ("2", "distributed.pp_size=2")}
+LAYOUTS = {"one": ("1",), "tp2": ("2", "parallel.tp_size=2"), "pp2": ("2", "parallel.pp_size=2")}
 
 
 @pytest.fixture(scope="module")

@@ -43,18 +43,18 @@ GPT = [
 ]
 LAYOUTS = {
     "one": ("1", "training.grad_accum_steps=4"),
-    "tp2": ("2", "training.grad_accum_steps=4", "distributed.tp_size=2"),
-    "fsdp2_tp2": ("4", "training.grad_accum_steps=2", "distributed.tp_size=2", "distributed.strategy=fsdp"),
+    "tp2": ("2", "training.grad_accum_steps=4", "parallel.tp_size=2"),
+    "fsdp2_tp2": ("4", "training.grad_accum_steps=2", "parallel.tp_size=2", "parallel.strategy=fsdp"),
     "ddp2": ("2", "training.grad_accum_steps=2"),
-    "fsdp4": ("4", "training.grad_accum_steps=1", "distributed.strategy=fsdp"),
-    "pp2": ("2", "training.grad_accum_steps=4", "distributed.pp_size=2"),
+    "fsdp4": ("4", "training.grad_accum_steps=1", "parallel.strategy=fsdp"),
+    "pp2": ("2", "training.grad_accum_steps=4", "parallel.pp_size=2"),
     # HSDP × TP: 2 replicas of shard groups of 2, each rank's layers split over 2 (8 processes)
     "hsdp2x2_tp2": (
         "8",
         "training.grad_accum_steps=1",
-        "distributed.tp_size=2",
-        "distributed.strategy=hsdp",
-        "distributed.hsdp_shard_size=2",
+        "parallel.tp_size=2",
+        "parallel.strategy=hsdp",
+        "parallel.hsdp_shard_size=2",
     ),
 }
 
@@ -154,7 +154,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(warm, runs, json
         if k:
             assert "resumed from " in said and f"(step {stops[k - 1]} of 6" in said, said
             change = "2 → 1" if "tp2" in layouts[k - 1] else "1 → 2"
-            assert f"distributed.tp_size {change}" in said  # the layout's change said
+            assert f"parallel.tp_size {change}" in said  # the layout's change said
     assert [m["step"] for m in train_lines(tmp_path)] == list(range(1, 7))
     assert_same_training(runs / "one", tmp_path)
 
@@ -164,41 +164,41 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_layout(warm, runs, json
     [
         (
             "3",
-            ["distributed.tp_size=3"],
-            "distributed.tp_size = 3 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
-            "each rank holding whole heads; use distributed.tp_size in [1]",  # 2 and 4 fit the heads, not 3 processes
+            ["parallel.tp_size=3"],
+            "parallel.tp_size = 3 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
+            "each rank holding whole heads; use parallel.tp_size in [1]",  # 2 and 4 fit the heads, not 3 processes
         ),
         (
             "6",
-            ["distributed.tp_size=4"],
-            "distributed.tp_size = 4 splits the model over 4 processes and the job has 6; run a multiple of 4 "
-            "processes (4, 8, 12, 16, ...) or set distributed.tp_size to one of 1, 2 (checkpoints resume under "
+            ["parallel.tp_size=4"],
+            "parallel.tp_size = 4 splits the model over 4 processes and the job has 6; run a multiple of 4 "
+            "processes (4, 8, 12, 16, ...) or set parallel.tp_size to one of 1, 2 (checkpoints resume under "
             "any layout)",  # 3 and 6 divide the processes, not the 4 heads
         ),
         (
             "12",
-            ["distributed.tp_size=5", "distributed.strategy=fsdp"],
-            "distributed.tp_size = 5 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
-            "each rank holding whole heads; use distributed.tp_size in [1, 2, 4]",  # no world takes 5: the heads first
+            ["parallel.tp_size=5", "parallel.strategy=fsdp"],
+            "parallel.tp_size = 5 must divide the GPT's heads (model.options.n_head = 4) and width (n_embd = 32), "
+            "each rank holding whole heads; use parallel.tp_size in [1, 2, 4]",  # no world takes 5: the heads first
         ),
         (
             "4",
-            ["distributed.tp_size=2"],
-            "distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = 2 splits it "
-            "(2 copies over 4 processes): DDP cannot average tensor-parallel shards; set distributed.strategy=fsdp "
+            ["parallel.tp_size=2"],
+            "parallel.strategy = 'ddp' keeps whole copies of the model and parallel.tp_size = 2 splits it "
+            "(2 copies over 4 processes): DDP cannot average tensor-parallel shards; set parallel.strategy=fsdp "
             "(or hsdp) to spread the copies",
         ),
         (
             "2",
-            ["distributed.tp_size=2", "data.block_size=15"],
+            ["parallel.tp_size=2", "data.block_size=15"],
             "data.block_size = 15: sequence parallel splits each window's positions evenly over "
-            "distributed.tp_size = 2; use a multiple of 2 (14 or 16)",
+            "parallel.tp_size = 2; use a multiple of 2 (14 or 16)",
         ),
         (
             "2",
-            ["distributed.tp_size=2", "training.precision=fp16"],
+            ["parallel.tp_size=2", "training.precision=fp16"],
             "training.precision = 'fp16' needs a gradient scaler that knows tensor-parallel shards "
-            "(distributed.tp_size = 2); use training.precision=bf16",
+            "(parallel.tp_size = 2); use training.precision=bf16",
         ),
     ],
 )
@@ -213,13 +213,11 @@ def test_what_tensor_parallel_cannot_do_is_refused_by_the_launcher(
 
 
 def test_a_model_with_no_plan_is_refused_by_the_launcher_saying_how_to_give_one(cli, tmp_path):
-    result = cli(
-        "run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "distributed.tp_size=2"
-    )
+    result = cli("run", "examples/digits_mlp.toml", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "parallel.tp_size=2")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "dtrain: error: Sequential has no tensor-parallel plan (distributed.tp_size = 2); give a plan: "
+        "dtrain: error: Sequential has no tensor-parallel plan (parallel.tp_size = 2); give a plan: "
         "dtrain.Trainer(..., tp_plan={'layers.*.up': ColwiseParallel(), ...}) with torch's parallel styles, or a "
-        "tp_plan() method on the model returning one; or set distributed.tp_size=1"
+        "tp_plan() method on the model returning one; or set parallel.tp_size=1"
     ], result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -355,7 +353,7 @@ def test_a_gpt_split_over_tensor_parallel_ranks_generates_what_one_process_gener
 
 def test_a_model_given_no_plan_or_an_empty_plan_or_one_naming_no_module_is_refused(planned):
     refusals = json.loads((planned / "refusals-tp2.json").read_text())
-    assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (distributed.tp_size = 2); give ")
+    assert refusals["no_plan"].startswith("Sequential has no tensor-parallel plan (parallel.tp_size = 2); give ")
     # A pattern naming no module would leave its layer whole on every rank: refused, naming what is there.
     assert refusals["no_match"] == (
         "the tensor-parallel plan's 'layers.*.up' names no module of Sequential; name modules as "

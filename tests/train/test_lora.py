@@ -52,7 +52,7 @@ def gpt_runs(warm, tokens, base, tmp_path_factory) -> dict[str, Path]:
     runs = {name: root / name for name in ("ddp", "fsdp", "stopped")}
     common = (OPTIONS, LORA, f"model.init_from={base}", "checkpoint.every_steps=3")
     ok(warm(*job(tokens, runs["ddp"], *common)))
-    ok(warm(*job(tokens, runs["fsdp"], *common, "distributed.strategy=fsdp")))
+    ok(warm(*job(tokens, runs["fsdp"], *common, "parallel.strategy=fsdp")))
     ok(warm(*job(tokens, runs["stopped"], *common, "training.stop_at_step=3")))
     runs["resumed"] = runs["stopped"]
     (root / "stopped-losses.json").write_text(json.dumps([m["loss"] for m in train_lines(runs["stopped"])]))
@@ -184,7 +184,7 @@ def test_a_hugging_face_model_under_fsdp_exports_adapters_and_merged_weights(war
     run_dir = tmp_path / "run"
     no_dropout = "model.options={resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0}"
     ok(warm(*job(tokens, run_dir, f"model.name=hf-causal-lm:{tmp_path / 'base'}", no_dropout,
-                   "training.lora={r = 2}", "distributed.strategy=fsdp")))  # fmt: skip
+                   "training.lora={r = 2}", "parallel.strategy=fsdp")))  # fmt: skip
     with safe_open(str(run_dir / "model.safetensors"), "pt") as final:
         assert sorted({n.split(".")[-4] for n in final.keys()}) == ["c_attn"]  # noqa: SIM118 — peft: gpt2
         assert adapter_names(final.keys())

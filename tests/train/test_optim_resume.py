@@ -25,7 +25,7 @@ RECIPE = [
 
 
 def launch(warm, run_dir, *extra, strategy="ddp"):
-    return ok(warm("run", *RECIPE, f"distributed.strategy={strategy}", *extra, "--nproc", "2", f"run.dir={run_dir}"))
+    return ok(warm("run", *RECIPE, f"parallel.strategy={strategy}", *extra, "--nproc", "2", f"run.dir={run_dir}"))
 
 
 def test_groups_and_schedule_stop_and_resume_bitwise_under_ddp_and_fsdp(warm, tmp_path):

@@ -13,7 +13,7 @@ from dtrain.parallel.dims import ParallelDims
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 found = {}
-dims = ParallelDims(dp_shard=1, cp=2)  # distributed.strategy=fsdp, cp_size=2 on 2 processes
+dims = ParallelDims(dp_shard=1, cp=2)  # parallel.strategy=fsdp, cp_size=2 on 2 processes
 mesh = dims.dp_mesh("cpu")
 found["fsdp"] = {"names": list(mesh.mesh_dim_names), "size": mesh.size(), "cp": dims.world_mesh("cpu")["cp"].size()}
 # The check that the cp processes hold the same batches (context.py), on the cp dimension's group.

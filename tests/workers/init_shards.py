@@ -49,7 +49,7 @@ def cost(load) -> dict[str, int]:
 
 def main() -> None:
     weights, out = sys.argv[1], Path(sys.argv[2])
-    config = dtrain.load_config(None, ["distributed.strategy=fsdp", f"run.dir={out / 'run'}"])
+    config = dtrain.load_config(None, ["parallel.strategy=fsdp", f"run.dir={out / 'run'}"])
     with distributed.session(config.distributed) as session:
         torch.manual_seed(1)  # other weights than the file's
         sharded, whole = model(), model()

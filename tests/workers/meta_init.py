@@ -54,7 +54,7 @@ def job(tokens: str, run_dir: Path, *overrides: str) -> dtrain.Config:
             "training.log_every=1",
             "training.eval_every=0",
             "scheduler.warmup_steps=2",
-            "distributed.strategy=fsdp",
+            "parallel.strategy=fsdp",
             f"run.dir={run_dir}",
             *overrides,
         ],

@@ -107,7 +107,7 @@ def shared(out: Path) -> None:
 
     # The shared-memory average is bitwise gloo's at 2 ranks: the same run with gloo's all-reduce.
     over_gloo = dtrain.Trainer(
-        config(out / "gloo", {"distributed": {"shared_memory_allreduce": False}}), model=fresh_model(), train_data=train
+        config(out / "gloo", {"ddp": {"shared_memory_allreduce": False}}), model=fresh_model(), train_data=train
     )
     over_gloo.fit()
     results["gloo_used_shared_memory"] = over_gloo.parallel.shared_memory is not None
@@ -115,7 +115,7 @@ def shared(out: Path) -> None:
 
     # DDP's static_graph changes how it schedules the all-reduce, never the numbers.
     static = dtrain.Trainer(
-        config(out / "static", {"distributed": {"static_graph": True}}), model=fresh_model(), train_data=train
+        config(out / "static", {"ddp": {"static_graph": True}}), model=fresh_model(), train_data=train
     )
     static.fit()
     results["static_graph_set"] = bool(static.model.static_graph)
@@ -126,7 +126,7 @@ def shared(out: Path) -> None:
     unused = WithUnused((20,), 4)
     extra_before = unused.extra.weight.detach().clone()
     dtrain.Trainer(
-        config(out / "unused", {"distributed": {"find_unused_parameters": True}}), model=unused, train_data=train
+        config(out / "unused", {"ddp": {"find_unused_parameters": True}}), model=unused, train_data=train
     ).fit()
     results["unused_extra_unchanged"] = torch.equal(unused.extra.weight.detach(), extra_before)
 
@@ -145,7 +145,7 @@ def shared(out: Path) -> None:
     # No all-reduce on skipped micro-batches: count DDP's communication calls with our own hook
     # (one bucket, DDP's own all-reduce, dtrain's timing hook off so ours can be registered).
     own_hook = {
-        "distributed": {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False},
+        "ddp": {"bucket_cap_mb": 1000.0, "shared_memory_allreduce": False},
         "monitor": {"breakdown": False},
     }
     counted = dtrain.Trainer(
@@ -164,7 +164,7 @@ def shared(out: Path) -> None:
     results["accum_steps"] = counted.step
     # The same through dtrain's shared-memory averaging, which counts the buckets it averages.
     shm = dtrain.Trainer(
-        config(out / "accum_shm", {"distributed": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4, max_steps=3),
+        config(out / "accum_shm", {"ddp": {"bucket_cap_mb": 1000.0}}, grad_accum_steps=4, max_steps=3),
         model=fresh_model(),
         train_data=train,
     )
@@ -202,7 +202,7 @@ def shared(out: Path) -> None:
     # torch's compression hooks take DDP's slot instead of the shared-memory average, and train.
     for hook in ("fp16", "powersgd"):
         compressed = dtrain.Trainer(
-            config(out / f"hook_{hook}", {"distributed": {"comm_hook": hook}}), model=fresh_model(), train_data=train
+            config(out / f"hook_{hook}", {"ddp": {"comm_hook": hook}}), model=fresh_model(), train_data=train
         )
         compressed.fit()
         results[f"hook_{hook}"] = {

@@ -43,7 +43,7 @@ JOB = {
 
 def config(run_dir: Path, strategy: str, **training) -> dtrain.Config:
     spread = {"strategy": strategy, **({"hsdp_shard_size": 2} if strategy == "hsdp" else {})}
-    return tiny.job_config(run_dir, JOB, {"distributed": spread}, **training)
+    return tiny.job_config(run_dir, JOB, {"parallel": spread}, **training)
 
 
 def model() -> GPT:

@@ -104,7 +104,7 @@ class LogitsSaved:
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     tp = dist.get_world_size()
-    config = lambda name: tiny.job_config(out / f"{name}-tp{tp}", JOB, {"distributed": {"tp_size": tp}})  # noqa: E731
+    config = lambda name: tiny.job_config(out / f"{name}-tp{tp}", JOB, {"parallel": {"tp_size": tp}})  # noqa: E731
     dtrain.Trainer(config("llama"), model=llama(), train_data=Tokens(64, 0), eval_data=Tokens(10, 1)).fit()
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     points = lambda n, seed: tiny.points(n, 12, seed, lambda x: x[:, :3].argmax(1))  # noqa: E731

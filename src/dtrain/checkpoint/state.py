@@ -73,7 +73,7 @@ class Parts:
     # What a resume must not change, by config key (optimizer.name, run.seed, the data): the state or
     # the position in the checkpoint means nothing under another. Compared on load.
     identity: dict[str, Any] = field(default_factory=dict)
-    # What may change on resume and is said when it does (distributed.strategy, training.compile, ...).
+    # What may change on resume and is said when it does (parallel.strategy, training.compile, ...).
     setup: dict[str, Any] = field(default_factory=dict)
     # The plan of the run writing the checkpoint (training.epochs, training.max_steps, its steps and steps
     # per epoch): a rerun asking the same of the checkpoint at its end has nothing to train (`finished`).

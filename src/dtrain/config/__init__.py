@@ -1,16 +1,17 @@
 """A job described in TOML: typed sections, `key=value` overrides, validation with one-line answers.
 
-Every setting is declared once, in its section's module (run.py, distributed.py, model.py, data.py,
-optimizer.py, scheduler.py, training.py, monitor.py, checkpoint.py; section.py: what they share), with
-its type, default, bounds and a sentence of help; loading, overriding, validating, writing `config.toml`
-and the README's reference table all come from that one declaration (settings.py: the declaration and
-coercion; job.py: the whole config). Nothing
-here imports torch but to check a name from torch (an optimizer beyond sgd and adamw, a torch.optim.lr_scheduler
-class): the launcher reads configs before any worker starts.
+Every setting is declared once, in its section's module (run.py, distributed.py, parallel.py, ddp.py,
+model.py, data.py, optimizer.py, scheduler.py, training.py, monitor.py, checkpoint.py; section.py: what
+they share), with its type, default, bounds and a sentence of help; loading, overriding, validating,
+writing `config.toml` and the README's reference table all come from that one declaration (settings.py:
+the declaration and coercion; job.py: the whole config, and the old names of keys that moved). Nothing
+here imports torch but to check a name from torch (an optimizer beyond sgd and adamw, a
+torch.optim.lr_scheduler class): the launcher reads configs before any worker starts.
 """
 
 from dtrain.config.checkpoint import CheckpointConfig
 from dtrain.config.data import DataConfig
+from dtrain.config.ddp import DDPConfig
 from dtrain.config.distributed import DistributedConfig
 from dtrain.config.job import (
     RENAMED,
@@ -28,6 +29,7 @@ from dtrain.config.job import (
 from dtrain.config.model import ModelConfig
 from dtrain.config.monitor import MonitorConfig, ProfileConfig, profile_range
 from dtrain.config.optimizer import OptimizerConfig
+from dtrain.config.parallel import ParallelConfig
 from dtrain.config.run import RunConfig
 from dtrain.config.scheduler import SchedulerConfig
 from dtrain.config.settings import setting, tomllib, where
@@ -38,11 +40,13 @@ __all__ = [
     "SECTIONS",
     "CheckpointConfig",
     "Config",
+    "DDPConfig",
     "DataConfig",
     "DistributedConfig",
     "ModelConfig",
     "MonitorConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "ProfileConfig",
     "RunConfig",
     "SchedulerConfig",

@@ -17,11 +17,13 @@ import tomli_w
 
 from dtrain.config.checkpoint import CheckpointConfig
 from dtrain.config.data import DataConfig
+from dtrain.config.ddp import DDPConfig
 from dtrain.config.distributed import DistributedConfig
 from dtrain.config.foreign import foreign_hint
 from dtrain.config.model import DATA_GIVES, ModelConfig, kind_problem
 from dtrain.config.monitor import MonitorConfig, ProfileConfig
 from dtrain.config.optimizer import OptimizerConfig
+from dtrain.config.parallel import ParallelConfig
 from dtrain.config.run import RunConfig
 from dtrain.config.scheduler import SchedulerConfig
 from dtrain.config.section import Section
@@ -30,13 +32,41 @@ from dtrain.config.training import TrainingConfig
 from dtrain.errors import ConfigError
 
 # Old name -> new name. The old one alone still sets the new one, and a note says so; both is refused.
-RENAMED = {"distributed.fsdp_units": "model.blocks"}
+# [distributed] held ~20 keys that were three things: the process group's (still [distributed]), how the
+# model is spread ([parallel]) and DDP's knobs ([ddp]); a config or a run.dir written before says them there.
+_MOVED_TO_PARALLEL = (
+    "strategy",
+    "reshard_after_forward",
+    "fsdp_cpu_offload",
+    "hsdp_shard_size",
+    "tp_size",
+    "pp_size",
+    "pp_schedule",
+    "pp_stages_per_rank",
+    "pp_split",
+    "cp_size",
+)
+_MOVED_TO_DDP = (
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+    "shared_memory_allreduce",
+    "comm_hook",
+)
+RENAMED = {
+    "distributed.fsdp_units": "model.blocks",
+    **{f"distributed.{key}": f"parallel.{key}" for key in _MOVED_TO_PARALLEL},
+    **{f"distributed.{key}": f"ddp.{key}" for key in _MOVED_TO_DDP},
+}
 
 
 @dataclass(slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -184,7 +214,7 @@ def idle_settings(config: Config) -> list[str]:
     """A note (one line, or none) naming each setting given a value of its own that does nothing in this
     job — another strategy's option, the mlp's width for another model, blocks nothing works on — so
     that it is not taken for having had an effect. Said once, as a renamed key's note is (cli)."""
-    default, strategy = Config(), config.distributed.strategy
+    default, strategy = Config(), config.parallel.strategy
     is_ddp, training = strategy == "ddp", config.training
 
     def given(section: str, key: str) -> bool:
@@ -194,17 +224,17 @@ def idle_settings(config: Config) -> list[str]:
         return f"{section}.{key} = {inline(getattr(getattr(config, section), key))} ({why})"
 
     idle = [
-        said("distributed", key, f"a DDP setting; distributed.strategy = {strategy}")
+        said("ddp", key, f"a DDP setting; parallel.strategy = {strategy}")
         for key in _DDP_ONLY
-        if not is_ddp and given("distributed", key)
+        if not is_ddp and given("ddp", key)
     ]
     idle += [
-        said("distributed", key, "an FSDP setting; distributed.strategy = ddp")
+        said("parallel", key, "an FSDP setting; parallel.strategy = ddp")
         for key in _SHARDED_ONLY
-        if is_ddp and given("distributed", key)
+        if is_ddp and given("parallel", key)
     ]
-    if strategy != "hsdp" and given("distributed", "hsdp_shard_size"):
-        idle.append(said("distributed", "hsdp_shard_size", f"an hsdp setting; distributed.strategy = {strategy}"))
+    if strategy != "hsdp" and given("parallel", "hsdp_shard_size"):
+        idle.append(said("parallel", "hsdp_shard_size", f"an hsdp setting; parallel.strategy = {strategy}"))
     if is_ddp and config.model.blocks and training.activation_checkpointing == "none" and training.compile != "blocks":
         why = "DDP uses blocks only for training.activation_checkpointing and training.compile=blocks, both off"
         idle.append(said("model", "blocks", why))
@@ -213,12 +243,12 @@ def idle_settings(config: Config) -> list[str]:
         idle += [said("data", key, why) for key in ("pad_to_multiple_of", "pad_token_id") if given("data", key)]
     if config.data.sampling == "random" and given("data", "shuffle"):
         idle.append(said("data", "shuffle", "random windows are drawn at random; data.sampling = random"))
-    if config.distributed.pp_size == 1:
-        why = "a pipeline setting; distributed.pp_size = 1"
+    if config.parallel.pp_size == 1:
+        why = "a pipeline setting; parallel.pp_size = 1"
         idle += [
-            said("distributed", key, why)
+            said("parallel", key, why)
             for key in ("pp_schedule", "pp_stages_per_rank", "pp_split")
-            if given("distributed", key)
+            if given("parallel", key)
         ]
     if config.model.name != "mlp" and given("model", "hidden_size"):
         idle.append(said("model", "hidden_size", f"the built-in mlp's width; model.name = {config.model.name}"))
@@ -265,11 +295,13 @@ def _from_dict(raw: Mapping[str, Any], source: str, notes: list[str]) -> Config:
 def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) -> Config:
     config = _from_dict(config.to_dict(), "config", notes)
     given = {item.partition("=")[0].strip() for item in overrides}
+    renamed: list[str] = []
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' is not key=value; e.g. training.epochs=3")
-        key = _renamed_key(key.strip(), given, "on the command line", notes)
+        key = _renamed_key(key.strip(), given, "on the command line")
+        renamed += [key_given] if (key_given := item.partition("=")[0].strip()) != key else []
         section_name, _, name = key.partition(".")
         section = _section(config, section_name, "on the command line", full_key=key)
         if not name:
@@ -277,6 +309,7 @@ def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) 
                 f"override '{item}' names a section, not a key; e.g. {section_name}.{_field_names(section)[0]}=..."
             )
         _assign(section, key, parse_value(key, text), "on the command line", raw_text=text)
+    _note_renamed(renamed, "on the command line", notes)
     validate(config)
     return config
 
@@ -285,28 +318,51 @@ def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) 
 
 
 def _renamed_in_tables(raw: Mapping[str, Any], source: str, notes: list[str]) -> Mapping[str, Any]:
-    """`raw` with each old key of RENAMED moved to its new place (a note for each)."""
+    """`raw` with each old key of RENAMED moved to its new place (one note for them all)."""
+    renamed: list[str] = []
     for old, new in RENAMED.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         table, target = raw.get(old_section), raw.get(new_section, {})
         if not (isinstance(table, Mapping) and old_key in table and isinstance(target, Mapping)):
             continue
         given = {f"{old_section}.{k}" for k in table} | {f"{new_section}.{k}" for k in target}
-        _renamed_key(old, given, source, notes)
+        _renamed_key(old, given, source)  # refused beside its new name
+        renamed.append(old)
         moved = {k: v for k, v in table.items() if k != old_key}
         raw = {**raw, old_section: moved, new_section: {**raw.get(new_section, {}), new_key: table[old_key]}}
+    _note_renamed(renamed, source, notes)
     return raw
 
 
-def _renamed_key(key: str, given: set[str], source: str, notes: list[str]) -> str:
-    """The name `key` now has; an old name is noted, or refused beside its new one."""
+def _renamed_key(key: str, given: set[str], source: str) -> str:
+    """The name `key` now has; an old name given beside its new one is refused."""
     new = RENAMED.get(key)
-    if new is None:
-        return key
-    if new in given:
+    if new is not None and new in given:
         raise ConfigError(f"{key} and {new} {where(source)} are one setting ({key} is its old name); give only {new}")
-    notes.append(f"{key} is now {new}; the value {where(source)} was used as {new}: write {new} instead")
-    return new
+    return new or key
+
+
+def _note_renamed(old_keys: list[str], source: str, notes: list[str]) -> None:
+    """One note for the old names `source` gave (a run.dir's config.toml written before [distributed] was
+    split gives sixteen): what each is now, and that its value was used."""
+    if len(old_keys) == 1:
+        key, new = old_keys[0], RENAMED[old_keys[0]]
+        notes.append(f"{key} is now {new}; the value {where(source)} was used as {new}: write {new} instead")
+        return
+    moves: dict[tuple[str, str], list[str]] = {}  # keys that kept their name in another section
+    said = []
+    for key in old_keys:
+        (old_section, name), (new_section, new_name) = key.split("."), RENAMED[key].split(".")
+        if name == new_name:
+            moves.setdefault((old_section, new_section), []).append(name)
+        else:
+            said.append(f"{key} is now {RENAMED[key]}")
+    said += [f"{', '.join(names)} from [{old}] to [{new}]" for (old, new), names in moves.items()]
+    if said:
+        notes.append(
+            f"{len(old_keys)} keys {where(source)} have moved ({'; '.join(said)}); their values were used: "
+            f"write them there instead"
+        )
 
 
 def _warn(notes: list[str]) -> None:

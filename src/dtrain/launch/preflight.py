@@ -42,7 +42,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     check_installed(trackers)
     check_servers(trackers)  # within seconds, where the trackers' own clients would wait for minutes
     backend = distributed.resolve_backend(config.distributed.backend, config.training.device)
-    check_comm_hook(config.distributed.comm_hook, backend)
+    check_comm_hook(config.ddp.comm_hook, backend)
     gpus = devices.visible_gpus()
     device_type = "cuda" if gpus and config.training.device != "cpu" else "cpu"
     problem = parallel.check_sharding(config, world_size, local_world_size, device_type, _model_tp_problem(config))
@@ -61,10 +61,10 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
         note = cpu_bf16_note(max(1, distributed.available_cores() // local_world_size))
         if note:
             print(f"note: {note}", file=sys.stderr, flush=True)
-    strategy = config.distributed.strategy
+    strategy = config.parallel.strategy
     if strategy == "fsdp" and dp == 1 and world_size > 1:  # tensor/pipeline peers hold the whole world
         print(
-            f"note: distributed.strategy = {strategy} shards over the data-parallel processes and this job has "
+            f"note: parallel.strategy = {strategy} shards over the data-parallel processes and this job has "
             f"one ({world_size} processes, each a tensor or pipeline part of one replica): it shards nothing",
             file=sys.stderr,
             flush=True,

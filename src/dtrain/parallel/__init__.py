@@ -1,10 +1,10 @@
-"""How a model is spread over the processes: `distributed.strategy`, one small interface (base.py).
+"""How a model is spread over the processes: `parallel.strategy`, one small interface (base.py).
 
     ddp   every process holds the whole model, gradients averaged in backward (ddp.py)
     fsdp  parameters, gradients and optimizer state sharded over every process (fsdp.py, FSDP2)
     hsdp  sharded within a group of processes (a node), replicated across the groups (fsdp.py)
 
-`distributed.tp_size` splits each layer over that many processes first (tensor.py), FSDP then shards
+`parallel.tp_size` splits each layer over that many processes first (tensor.py), FSDP then shards
 over the data dimensions; with `ddp` the tensor-parallel processes must be the whole world (one copy).
 
 The trainer asks a strategy for the model to call, to skip gradient sync on accumulation
@@ -35,9 +35,9 @@ SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the 
 
 
 def shards_state(config: Config) -> bool:
-    """Whether `distributed.strategy` shards parameters, gradients and optimizer state (before the
+    """Whether `parallel.strategy` shards parameters, gradients and optimizer state (before the
     strategy exists: a built one says so itself, `Strategy.shards_state`)."""
-    return config.distributed.strategy in SHARDED
+    return config.parallel.strategy in SHARDED
 
 
 def builds_on_meta(config: Config, world_size: int) -> bool:
@@ -55,7 +55,7 @@ def layout(config: Config, session: Session) -> ParallelDims:
 def data_ranks(config: Config, world_size: int, local_world_size: int) -> int:
     """The processes of a `world_size` job that draw distinct samples: the world over the model's splits
     (tensor, pipeline, context parallel); a layout that does not factor is refused by check_sharding."""
-    dc = config.distributed
+    dc = config.parallel
     return max(1, world_size // (dc.tp_size * dc.pp_size * dc.cp_size))
 
 
@@ -69,7 +69,7 @@ def build(
     default_loss: bool = False,
 ) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
-    device) as `distributed.strategy` and the sizes say; `observer` (the step timer) hears of the gradient
+    device) as `parallel.strategy` and the sizes say; `observer` (the step timer) hears of the gradient
     communication. In torchtitan's order: tensor parallel (by `tp_plan`, else the model's), then
     activation checkpointing and compile per block, then FSDP over the data dimensions. `default_loss`:
     the step's loss is dtrain's cross-entropy, so the model's logits may stay split (loss parallel)."""
@@ -78,7 +78,7 @@ def build(
         raise ConfigError(problem)
     sharded = shards_state(config)
     deferred.check(module, config, sharded=sharded and session.world_size > 1)
-    if config.distributed.pp_size > 1:  # split first: checkpointing and compile then wrap the stage's blocks
+    if config.parallel.pp_size > 1:  # split first: checkpointing and compile then wrap the stage's blocks
         from dtrain.parallel.pipeline import Pipeline
 
         return Pipeline(module, session, dims or layout(config, session), config, observer, tp_plan)
@@ -106,7 +106,8 @@ def build(
     else:
         from dtrain.parallel.ddp import DDP
 
-        strategy = DDP(module, session, dims, config.distributed, observer, breakdown=config.monitor.breakdown)
+        timeout_s, breakdown = config.distributed.timeout_s, config.monitor.breakdown
+        strategy = DDP(module, session, dims, config.ddp, timeout_s, observer, breakdown)
     if dims.cp > 1:  # sequences split over the "cp" processes; their gradients averaged with the data's
         from dtrain.parallel.context import ContextParallel
 
@@ -123,12 +124,12 @@ def model_problem(
     that a refusal offers only tensor-parallel sizes that also factor it."""
     from dtrain.parallel import tensor
 
-    if config.distributed.pp_size > 1:  # enough blocks for the stages (raises)
+    if config.parallel.pp_size > 1:  # enough blocks for the stages (raises)
         from dtrain.parallel.stages import check_model
 
         check_model(module, config)
     sizes = tp_sizes(config, *world) if world is not None else None
-    return tensor.problem(module, config.distributed.tp_size, tp_plan, _window(config), sizes)
+    return tensor.problem(module, config.parallel.tp_size, tp_plan, _window(config), sizes)
 
 
 def tp_problem(config: Config, module: nn.Module, tp: int, sizes: Collection[int] | None = None) -> str | None:
@@ -154,31 +155,31 @@ def check_sharding(
     """What the strategy and the model-splitting sizes cannot do with this config and world (the launcher
     checks it before any worker starts), or None. `model_tp_problem`: the model's own reason a tp size
     cannot split it (see ParallelDims.from_config)."""
-    dc, name = config.distributed, config.distributed.strategy
+    name = config.parallel.strategy
     try:  # the processes must fill every dimension (hsdp: whole shard groups; tp within a node)
         dims = ParallelDims.from_config(config, world_size, local_world_size, model_tp_problem)
     except ConfigError as exc:
         return str(exc)
     if dims.cp > 1 and device_type != "cuda":
         return (
-            f"distributed.cp_size = {dims.cp}: context parallel splits attention over CUDA GPUs "
-            f"(torch's context_parallel has no rule for it on the {device_type}); set distributed.cp_size=1"
+            f"parallel.cp_size = {dims.cp}: context parallel splits attention over CUDA GPUs "
+            f"(torch's context_parallel has no rule for it on the {device_type}); set parallel.cp_size=1"
         )
     if dims.cp > 1 and config.data.packing:
         return (
-            f"distributed.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
-            f"mask per document it cannot take; set data.packing=false or distributed.cp_size=1"
+            f"parallel.cp_size = {dims.cp} runs causal ring attention, and data.packing = true needs a "
+            f"mask per document it cannot take; set data.packing=false or parallel.cp_size=1"
         )
     if dims.tp > 1 and name == "ddp" and dims.dp > 1 and dims.pp == 1:  # the pipeline averages its copies
         return (
-            f"distributed.strategy = 'ddp' keeps whole copies of the model and distributed.tp_size = {dims.tp} "
+            f"parallel.strategy = 'ddp' keeps whole copies of the model and parallel.tp_size = {dims.tp} "
             f"splits it ({dims.dp} copies over {world_size} processes): DDP cannot average tensor-parallel "
-            f"shards; set distributed.strategy=fsdp (or hsdp) to spread the copies"
+            f"shards; set parallel.strategy=fsdp (or hsdp) to spread the copies"
         )
     if dims.tp > 1 and config.training.precision == "fp16":
         return (
             f"training.precision = 'fp16' needs a gradient scaler that knows tensor-parallel shards "
-            f"(distributed.tp_size = {dims.tp}); use training.precision=bf16"
+            f"(parallel.tp_size = {dims.tp}); use training.precision=bf16"
         )
     if dims.pp > 1:
         return pipeline_problem(config, dims)
@@ -187,30 +188,30 @@ def check_sharding(
     if config.training.precision == "fp16":
         return (
             f"training.precision = 'fp16' needs a gradient scaler that knows the shards, which dtrain "
-            f"has only for distributed.strategy = 'ddp'; use training.precision=bf16 with '{name}'"
+            f"has only for parallel.strategy = 'ddp'; use training.precision=bf16 with '{name}'"
         )
-    if dc.comm_hook != "none":
+    if config.ddp.comm_hook != "none":
         return (
-            f"distributed.comm_hook = '{dc.comm_hook}' is a DDP hook; distributed.strategy = '{name}' "
-            f"reduces gradients itself: set distributed.comm_hook=none"
+            f"ddp.comm_hook = '{config.ddp.comm_hook}' is a DDP hook; parallel.strategy = '{name}' "
+            f"reduces gradients itself: set ddp.comm_hook=none"
         )
     return None
 
 
 def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
-    """What pipeline parallel (`distributed.pp_size > 1`) cannot do with this config, or None. The model's
+    """What pipeline parallel (`parallel.pp_size > 1`) cannot do with this config, or None. The model's
     depth is checked where the model is known (stages.check_model)."""
     tc = config.training
     if config.model.hf_folder is not None:  # its forward runs every block: a stage's absent ones break it
         return (
-            f"distributed.pp_size = {dims.pp} with model.name = '{config.model.name}': a Hugging Face model's "
-            f"forward does not pass over the blocks a pipeline stage lacks; set distributed.pp_size=1"
+            f"parallel.pp_size = {dims.pp} with model.name = '{config.model.name}': a Hugging Face model's "
+            f"forward does not pass over the blocks a pipeline stage lacks; set parallel.pp_size=1"
         )
-    if dims.dp_shard > 1 and config.distributed.stages_per_rank > 1:
+    if dims.dp_shard > 1 and config.parallel.stages_per_rank > 1:
         return (
-            f"distributed.pp_schedule = 'interleaved_1f1b' holds {config.distributed.stages_per_rank} stages per "
-            f"process, and distributed.strategy = '{config.distributed.strategy}' shards one stage per process; "
-            f"use distributed.pp_schedule=1f1b (or gpipe), or distributed.strategy=ddp"
+            f"parallel.pp_schedule = 'interleaved_1f1b' holds {config.parallel.stages_per_rank} stages per "
+            f"process, and parallel.strategy = '{config.parallel.strategy}' shards one stage per process; "
+            f"use parallel.pp_schedule=1f1b (or gpipe), or parallel.strategy=ddp"
         )
     if tc.grad_accum_steps < dims.pp:
         return (
@@ -219,11 +220,11 @@ def pipeline_problem(config: Config, dims: ParallelDims) -> str | None:
             f"training.grad_accum_steps >= {dims.pp}"
         )
     if tc.precision == "fp16":
-        return "training.precision = 'fp16' is not supported with distributed.pp_size > 1; use training.precision=bf16"
+        return "training.precision = 'fp16' is not supported with parallel.pp_size > 1; use training.precision=bf16"
     if config.model.weights is not None:  # read into the whole model's names: each stage's, not built yet
         return (
-            "distributed.pp_size > 1 with weights to start from (model.init_from, a Hugging Face folder) is "
-            "not supported yet; start the pipeline from a new model, or set distributed.pp_size=1"
+            "parallel.pp_size > 1 with weights to start from (model.init_from, a Hugging Face folder) is "
+            "not supported yet; start the pipeline from a new model, or set parallel.pp_size=1"
         )
     if tc.compile == "model":
         return (

@@ -36,7 +36,7 @@ class Strategy:
         self.model: nn.Module = module
         self.dims = dims or ParallelDims()
 
-    # Context parallel (context.py), where distributed.cp_size > 1: what a step runs inside.
+    # Context parallel (context.py), where parallel.cp_size > 1: what a step runs inside.
     sequence_split: Any = None
     # Loss parallel: whether the model's logits come as a DTensor split over the vocabulary over the
     # tensor-parallel processes (tensor.py), which dtrain's cross-entropy takes without gathering them.

@@ -1,4 +1,4 @@
-"""Context parallel (`distributed.cp_size`, CUDA GPUs only): each sequence split over the processes of
+"""Context parallel (`parallel.cp_size`, CUDA GPUs only): each sequence split over the processes of
 the mesh's "cp" dimension, attention computed as a ring over them.
 
 Built with torch's own `context_parallel` (torch.distributed.tensor.experimental): inside it,
@@ -65,7 +65,7 @@ def check_length(length: int, cp: int) -> str | None:
     split cuts it into 2·cp equal chunks."""
     if length % (2 * cp):
         return (
-            f"distributed.cp_size = {cp} splits each sequence into {2 * cp} equal chunks and a sequence "
+            f"parallel.cp_size = {cp} splits each sequence into {2 * cp} equal chunks and a sequence "
             f"of {length} tokens does not divide into them; set data.block_size to a multiple of {2 * cp}"
         )
     return None
@@ -91,9 +91,9 @@ class ContextParallel:
     def __init__(self, module: nn.Module, mesh: DeviceMesh):
         if not hasattr(module, POSITIONS):
             raise ConfigError(
-                f"distributed.cp_size > 1 splits the sequences of the built-in GPT (model.name=gpt), whose "
+                f"parallel.cp_size > 1 splits the sequences of the built-in GPT (model.name=gpt), whose "
                 f"positions it can split too; {type(module).__name__} has no `{POSITIONS}`: set "
-                f"distributed.cp_size=1"
+                f"parallel.cp_size=1"
             )
         self.module, self.mesh = module, mesh
         self.checked = False  # whether the cp processes were seen to hold the same batches (first step)
@@ -106,7 +106,7 @@ class ContextParallel:
         buffers = [t for batch in micro_batches for t in sequence_tensors(batch)]
         if not buffers:
             raise ConfigError(
-                "distributed.cp_size > 1 needs token sequences: the batch holds no (batch, positions) tensor"
+                "parallel.cp_size > 1 needs token sequences: the batch holds no (batch, positions) tensor"
             )
         length = buffers[0].shape[1]
         problem = check_length(length, self.mesh.size())
@@ -115,8 +115,8 @@ class ContextParallel:
         if not self.checked:  # once: a data layer that gave them different samples trains on nonsense
             if not same_on_every_rank(buffers, self.mesh):
                 raise DtrainError(
-                    "distributed.cp_size > 1: the processes of one context-parallel group drew different "
-                    "samples, and each must hold the same sequences to split them; set distributed.cp_size=1"
+                    "parallel.cp_size > 1: the processes of one context-parallel group drew different "
+                    "samples, and each must hold the same sequences to split them; set parallel.cp_size=1"
                 )
             self.checked = True
         for t in buffers:  # own storage each: inputs and targets are often views of one window

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.config import DistributedConfig
+from dtrain.config import DDPConfig
 from dtrain.distributed import Session
 from dtrain.errors import DtrainError
 from dtrain.parallel.base import Strategy
@@ -42,14 +42,16 @@ class DDP(Strategy):
         module: nn.Module,
         session: Session,
         dims: ParallelDims,
-        config: DistributedConfig,
+        options: DDPConfig,
+        timeout_s: float,
         observer: CommObserver,
         breakdown: bool,
     ):
         if dims.dp_shard != 1:  # the factory's promise: DDP replicates, nothing else
             raise ValueError(f"DDP replicates over every process; got {dims}")
         super().__init__(module, dims)
-        self.session, self.config, self.observer = session, config, observer
+        self.session, self.options, self.observer = session, options, observer
+        self.timeout_s = timeout_s  # the group's collective timeout: the shared-memory average waits as long
         self.shared_memory: SharedMemoryAllReduce | None = None
         self.model = self._wrap()
         self._attach_comm_hook(breakdown)
@@ -61,19 +63,19 @@ class DDP(Strategy):
     def after_first_backward(self) -> None:
         """A parameter the forward pass never used leaves DDP waiting for its gradient forever (or
         failing a step later with a message about reductions). Say what to do."""
-        if self.config.find_unused_parameters:
+        if self.options.find_unused_parameters:
             return
         unused = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
             raise DtrainError(
                 f"the forward pass did not use these parameters: {shown}; DDP needs a gradient "
-                f"for every parameter: set distributed.find_unused_parameters=true, or drop "
+                f"for every parameter: set ddp.find_unused_parameters=true, or drop "
                 f"them from the model (or set requires_grad=False)"
             )
 
     def _wrap(self) -> DistributedDataParallel:
-        dc, device = self.config, self.session.device
+        dc, device = self.options, self.session.device
         try:
             return DistributedDataParallel(
                 self.module,
@@ -96,7 +98,7 @@ class DDP(Strategy):
             ) from None
 
     def _attach_comm_hook(self, breakdown: bool) -> None:
-        dc, device = self.config, self.session.device
+        dc, device = self.options, self.session.device
         if dc.comm_hook != "none":
             register_compression_hook(self.model, dc.comm_hook, self.session.backend)
         else:
@@ -129,14 +131,14 @@ class DDP(Strategy):
         """On CPU with every rank on this machine, average gradients through shared memory."""
         session = self.session
         if not (
-            self.config.shared_memory_allreduce
+            self.options.shared_memory_allreduce
             and session.device.type == "cpu"
             and session.backend == "gloo"
             and session.env.local_world_size == session.world_size
         ):
             return None
         state = SharedMemoryAllReduce.create(
-            self.module, session.rank, session.world_size, session.env.local_world_size, self.config.timeout_s
+            self.module, session.rank, session.world_size, session.env.local_world_size, self.timeout_s
         )
         if state is not None:
             self.model.register_comm_hook(state, shared_memory_hook)

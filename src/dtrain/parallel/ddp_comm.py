@@ -191,8 +191,8 @@ def check_comm_hook(name: str, backend: str) -> None:
     """torch's bf16 hook runs only on nccl; the others on any backend."""
     if name == "bf16" and backend != "nccl":
         raise ConfigError(
-            f"distributed.comm_hook = 'bf16' needs nccl (CUDA GPUs) and this job runs on "
-            f"{backend}; use distributed.comm_hook=fp16 or powersgd"
+            f"ddp.comm_hook = 'bf16' needs nccl (CUDA GPUs) and this job runs on "
+            f"{backend}; use ddp.comm_hook=fp16 or powersgd"
         )
 
 

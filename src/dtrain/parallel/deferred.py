@@ -46,7 +46,7 @@ def check(module: nn.Module, config: Config, sharded: bool) -> None:
     if not sharded:
         raise ConfigError(
             f"the model's parameters ({', '.join(names)}, ...) are on the meta device, and only "
-            f"distributed.strategy = fsdp or hsdp on 2 or more processes gives them memory; build the model "
+            f"parallel.strategy = fsdp or hsdp on 2 or more processes gives them memory; build the model "
             f"on a real device"
         )
     if config.model.weights is None:

@@ -8,8 +8,8 @@
     cp            context parallel: each sequence split over these processes (CUDA only)
     tp            tensor parallel: each layer's weights split over these processes
 
-Their product is the world size. `distributed.tp_size`, `pp_size` and `cp_size` fix theirs; the data
-dimensions take the rest, as `distributed.strategy` says. One device mesh holds them all, outermost
+Their product is the world size. `parallel.tp_size`, `pp_size` and `cp_size` fix theirs; the data
+dimensions take the rest, as `parallel.strategy` says. One device mesh holds them all, outermost
 first in the order above: tensor-parallel groups are consecutive ranks (inside one node), pipeline
 stages the slowest-changing coordinate (across groups of nodes).
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 TpProblem = Callable[[int, Collection[int] | None], str | None]
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
-_KEYS = {"tp": "distributed.tp_size", "pp": "distributed.pp_size", "cp": "distributed.cp_size"}
+_KEYS = {"tp": "parallel.tp_size", "pp": "parallel.pp_size", "cp": "parallel.cp_size"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ParallelDims:
         refused in one line when they cannot. `tp_problem`: why the model cannot be split over that many
         tensor-parallel processes (None: it can), so that a refusal of tp_size gives the model's reason
         where it has one and offers only sizes that would work."""
-        dc = config.distributed
+        dc = config.parallel
         model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
         split = math.prod(model.values())
         if world_size % split:
@@ -87,7 +87,7 @@ class ParallelDims:
         inner = dc.tp_size * dc.cp_size  # the dimensions whose groups must lie within one node
         if inner > 1 and local_world_size % inner and world_size > local_world_size:
             raise ConfigError(
-                f"distributed.tp_size × cp_size = {inner} would span nodes of {local_world_size} processes "
+                f"parallel.tp_size × cp_size = {inner} would span nodes of {local_world_size} processes "
                 f"(their all-gathers run every layer and need the node's fast links); use a divisor of "
                 f"{local_world_size}, with FSDP or pipeline stages across the nodes"
             )
@@ -100,9 +100,9 @@ class ParallelDims:
             shard = dc.hsdp_shard_size or max(1, min(local_world_size, world_size // dc.pp_size) // inner)
             if dp % shard:
                 raise ConfigError(
-                    f"distributed.strategy = 'hsdp' shards over groups of {shard} processes "
-                    f"(distributed.hsdp_shard_size, default: the processes of one node) and {dp} "
-                    f"data-parallel processes do not divide into them; set distributed.hsdp_shard_size to a "
+                    f"parallel.strategy = 'hsdp' shards over groups of {shard} processes "
+                    f"(parallel.hsdp_shard_size, default: the processes of one node) and {dp} "
+                    f"data-parallel processes do not divide into them; set parallel.hsdp_shard_size to a "
                     f"divisor of {dp}"
                 )
             return cls(dp_replicate=dp // shard, dp_shard=shard, **model)
@@ -183,7 +183,7 @@ class ParallelDims:
 def tp_sizes(config: Config, world_size: int, local_world_size: int) -> list[int]:
     """The tensor-parallel sizes that factor a world of `world_size` processes, `local_world_size` per
     node, with the other sizes as set (tp × cp within a node when the job spans several)."""
-    dc = config.distributed
+    dc = config.parallel
     return [
         d
         for d in range(1, world_size + 1)

@@ -2,10 +2,10 @@
 
 Each transformer block (blocks.py says which modules are blocks) is its own unit, then the root: in
 the forward pass a unit's parameters are gathered just before it runs and freed after it
-(`distributed.reshard_after_forward`), and its gradients are reduce-scattered as backward leaves it.
+(`parallel.reshard_after_forward`), and its gradients are reduce-scattered as backward leaves it.
 
 One class over the data-parallel dimensions (dims.py): `fsdp` shards over every process, `hsdp` within
-a group of `distributed.hsdp_shard_size` processes (default: one node) and replicates across the
+a group of `parallel.hsdp_shard_size` processes (default: one node) and replicates across the
 groups, a 2-D device mesh (replicate, shard).
 """
 
@@ -55,12 +55,12 @@ class FSDP(Strategy):
 def shard(module: nn.Module, units: list[nn.Module], mesh: DeviceMesh, config: Config, device: torch.device) -> None:
     """`fully_shard` each of `units` (the blocks), then `module` (what is left: embeddings, norm, head)
     over `mesh`; a model built on the meta device then gets memory for each rank's shards."""
-    dc = config.distributed
+    dc = config.parallel
     offload = OffloadPolicy()  # fully_shard's default: none
     if dc.fsdp_cpu_offload:
         if device.type != "cuda":
             raise ConfigError(
-                "distributed.fsdp_cpu_offload moves GPU parameters and optimizer state to "
+                "parallel.fsdp_cpu_offload moves GPU parameters and optimizer state to "
                 "the CPU, and this job trains on the CPU already; set it to false"
             )
         offload = CPUOffloadPolicy(pin_memory=True)

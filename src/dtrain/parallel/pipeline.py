@@ -3,13 +3,13 @@
 The model is cut into stages by stages.py (by cost or by count, each keeping the whole model's names);
 each process holds its stages' part (one copy) and a view per stage.
 
-A step runs `distributed.pp_schedule` (gpipe, 1f1b, interleaved_1f1b) over the step's accumulation
+A step runs `parallel.pp_schedule` (gpipe, 1f1b, interleaved_1f1b) over the step's accumulation
 micro-batches: the first stage is fed the inputs, the last stage computes each micro-batch's share of
 the step's loss (the trainer's StepShares), so the update is one batch's of all the step's samples. A
 parameter tied across stages (the GPT's embedding and head) is a copy on each holder; their gradients
 are summed after backward, so the copies stay equal. Clipping takes the norm over every stage.
 
-With `distributed.tp_size > 1` each stage's part is split over its tensor-parallel processes after the
+With `parallel.tp_size > 1` each stage's part is split over its tensor-parallel processes after the
 cut (parallelize_stage: the plan's entries for modules the stage lacks left out); activations between
 stages are then each tp rank's shard of the positions, sent to the same tp rank of the next stage, and
 the tied copies' gradients are summed shard by shard. With data-parallel copies on top, under `ddp`
@@ -115,7 +115,7 @@ class Pipeline(Strategy):
         observer: CommObserver,
         tp_plan: Mapping[str, Any] | None = None,
     ):
-        dc = config.distributed
+        dc = config.parallel
         sharded = dims.dp_shard > 1  # FSDP inside each stage (one stage per process: pipeline_problem)
         mesh = dims.world_mesh(session.device.type)
         self.group = mesh["pp"].get_group()
@@ -345,14 +345,14 @@ def _stacked(micro_batches: list[Any], shares: Any) -> tuple[torch.Tensor, torch
         for (x, y), b in zip(pairs, micro_batches, strict=True)
     ):
         raise DtrainError(
-            "distributed.pp_size > 1 feeds the first stage one tensor and gives the last stage the target: "
+            "parallel.pp_size > 1 feeds the first stage one tensor and gives the last stage the target: "
             "batches must be (inputs, target) tensors, the loss cross-entropy or Trainer(loss_fn=...) "
-            "(no step_fn); or set distributed.pp_size=1"
+            "(no step_fn); or set parallel.pp_size=1"
         )
     sizes = {x.shape[0] for x, _ in pairs}
     if len(sizes) > 1:
         raise DtrainError(
-            f"distributed.pp_size > 1 needs micro-batches of one size and this step's hold {sorted(sizes)} "
+            f"parallel.pp_size > 1 needs micro-batches of one size and this step's hold {sorted(sizes)} "
             f"samples; set data.drop_last=true"
         )
     return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])

@@ -3,7 +3,7 @@
 The model's blocks (blocks.py finds them; they must be the entries of one `nn.ModuleList`) are cut into
 `pp_size × stages_per_rank` stages of about equal cost (`stage_sizes`: multiply-adds per token counted
 from the layers' weights, so the last stage, which holds the head, takes fewer blocks; attention's cost
-in the window length is left out), or of equal block counts (`distributed.pp_split = count`: memory
+in the window length is left out), or of equal block counts (`parallel.pp_split = count`: memory
 closer to even, where the first stage's embedding is big); pipeline process p holds stages p,
 p + pp_size, ... (more than one only when interleaving). As torchtitan splits a model: a copy with the
 blocks of other stages deleted and the modules before the blocks (embeddings) kept on the first stage
@@ -79,10 +79,10 @@ def split_problem(n_blocks: int, pp: int, per_rank: int) -> str | None:
     if stages <= n_blocks:
         return None
     fits = list(range(2, n_blocks // per_rank + 1))
-    made = f"distributed.pp_size = {pp}" + (f" × pp_stages_per_rank = {per_rank}" if per_rank > 1 else "")
-    would = f"use distributed.pp_size = {' or '.join(map(str, fits))}" if fits else "use distributed.pp_size = 1"
+    made = f"parallel.pp_size = {pp}" + (f" × pp_stages_per_rank = {per_rank}" if per_rank > 1 else "")
+    would = f"use parallel.pp_size = {' or '.join(map(str, fits))}" if fits else "use parallel.pp_size = 1"
     if per_rank > 1 and n_blocks >= pp:  # one stage per process would fit
-        would += " or distributed.pp_schedule = 1f1b (one stage per process)"
+        would += " or parallel.pp_schedule = 1f1b (one stage per process)"
     blocks_said = f"{n_blocks} block" + ("" if n_blocks == 1 else "s")
     return f"{made} makes {stages} pipeline stages and the model has {blocks_said}; {would}"
 
@@ -94,15 +94,15 @@ def block_list(module: nn.Module, names: list[str]) -> tuple[str, nn.ModuleList]
         if isinstance(sub, nn.ModuleList) and found and {id(b) for b in sub} == found:
             return name, sub
     raise ConfigError(
-        f"distributed.pp_size > 1 splits a model's blocks held in one nn.ModuleList, and "
-        f"{type(module).__name__}'s are not (name its block class in model.blocks); or set distributed.pp_size=1"
+        f"parallel.pp_size > 1 splits a model's blocks held in one nn.ModuleList, and "
+        f"{type(module).__name__}'s are not (name its block class in model.blocks); or set parallel.pp_size=1"
     )
 
 
 def check_model(module: nn.Module, config: Config) -> None:
     """Refuse, in one line, a model the pipeline cannot split as `distributed` says (the launcher asks, on
     the model built on the meta device)."""
-    dc = config.distributed
+    dc = config.parallel
     if dc.pp_size <= 1:
         return
     _, listed = block_list(module, config.model.blocks)
@@ -148,7 +148,7 @@ class Layout:
             self.before += [prefix + n for n in names[:at]]
             self.after += [prefix + n for n in names[at + 1 :]]
             node, prefix = cast(nn.Module, node._modules[part]), prefix + part + "."
-        # By cost (distributed.pp_split): the stage with the head takes fewer blocks; by count, as many.
+        # By cost (parallel.pp_split): the stage with the head takes fewer blocks; by count, as many.
         listed = cast(nn.ModuleList, module.get_submodule(list_name))
         if by == "cost":
             ends = [sum(cost(module.get_submodule(n)) for n in names) for names in (self.before, self.after)]

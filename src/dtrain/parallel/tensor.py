@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 HOW = (
     "give a plan: dtrain.Trainer(..., tp_plan={'layers.*.up': ColwiseParallel(), ...}) with torch's "
-    "parallel styles, or a tp_plan() method on the model returning one; or set distributed.tp_size=1"
+    "parallel styles, or a tp_plan() method on the model returning one; or set parallel.tp_size=1"
 )
 
 
@@ -56,7 +56,7 @@ def problem(
         return check(tp, window) if sizes is None else check(tp, window, sizes)
     hf = _hf_model(module)
     if hf is None:
-        return f"{type(module).__name__} has no tensor-parallel plan (distributed.tp_size = {tp}); {HOW}"
+        return f"{type(module).__name__} has no tensor-parallel plan (parallel.tp_size = {tp}); {HOW}"
     config = hf.config
     heads = {k: getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
     uneven = {k: v for k, v in heads.items() if isinstance(v, int) and v % tp}
@@ -66,8 +66,8 @@ def problem(
         fits = [d for d in fits if sizes is None or d in sizes]
         named = ", ".join(f"{k} = {v}" for k, v in uneven.items())
         return (
-            f"distributed.tp_size = {tp} must divide the model's heads ({named}), each rank holding whole "
-            f"heads; use distributed.tp_size in {fits}"
+            f"parallel.tp_size = {tp} must divide the model's heads ({named}), each rank holding whole "
+            f"heads; use parallel.tp_size in {fits}"
         )
     return None
 
@@ -115,7 +115,7 @@ def parallelize(
 
 
 class TensorParallel(Strategy):
-    """Tensor parallel over every process (`distributed.strategy = ddp` with no data-parallel copies):
+    """Tensor parallel over every process (`parallel.strategy = ddp` with no data-parallel copies):
     each rank holds its shards; the collectives run inside forward and backward, no gradient is averaged."""
 
     forward_is_collective = True

@@ -77,16 +77,16 @@ def out_of_memory(
         levers.append("data.on_device=false")
     sharded = strategy.shards_state if strategy is not None else parallel.shards_state(cfg)
     if not sharded and session.world_size > 1:
-        levers.append("distributed.strategy=fsdp (parameters, gradients and optimizer state sharded)")
+        levers.append("parallel.strategy=fsdp (parameters, gradients and optimizer state sharded)")
     if cfg.training.activation_checkpointing == "none" and has_blocks(module, cfg):
         levers.append("training.activation_checkpointing=full")
-    if sharded and not cfg.distributed.fsdp_cpu_offload and device.type == "cuda":
-        levers.append("distributed.fsdp_cpu_offload=true")
+    if sharded and not cfg.parallel.fsdp_cpu_offload and device.type == "cuda":
+        levers.append("parallel.fsdp_cpu_offload=true")
     # Splitting the model itself, where it has the parts to split: a plan for its layers, blocks for stages.
-    if session.world_size > 1 and cfg.distributed.tp_size == 1 and has_tensor_plan(module):
-        levers.append("distributed.tp_size=2 (each layer's weights split over 2 processes of a node)")
-    if session.world_size > 1 and cfg.distributed.pp_size == 1 and has_blocks(module, cfg):
-        levers.append("distributed.pp_size=2 (the model's blocks split into 2 pipeline stages)")
+    if session.world_size > 1 and cfg.parallel.tp_size == 1 and has_tensor_plan(module):
+        levers.append("parallel.tp_size=2 (each layer's weights split over 2 processes of a node)")
+    if session.world_size > 1 and cfg.parallel.pp_size == 1 and has_blocks(module, cfg):
+        levers.append("parallel.pp_size=2 (the model's blocks split into 2 pipeline stages)")
     what = "GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "memory"
     return DtrainError(
         f"out of {what} {when} on rank {session.rank} with "

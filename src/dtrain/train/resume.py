@@ -20,7 +20,7 @@ from dtrain import distributed, rundir
 from dtrain.checkpoint import Checkpoint, Position
 from dtrain.checkpoint.checkpointer import Checkpointer
 from dtrain.checkpoint.state import BUILT_IN_PARTS, HEADER, NOTHING_TO_TRAIN, epoch_of, processes, regroup
-from dtrain.config import Config, with_global_batch
+from dtrain.config import RENAMED, Config, with_global_batch
 from dtrain.data import Batches
 from dtrain.errors import DtrainError
 from dtrain.files import atomic_write_text
@@ -125,10 +125,11 @@ class ResumePlan:
         driven = scheduler.drives if isinstance(scheduler, Schedule) else ()
         wanted = _settings(optimizer, driven)  # the config's, before the checkpoint's replace them
         position = checkpointer.restore(resume_from)
+        saved = {RENAMED.get(key, key): value for key, value in position.setup.items()}  # older names too
         respread = ", ".join(
-            f"{key} {position.setup[key]} → {value}"
+            f"{key} {saved[key]} → {value}"
             for key, value in checkpointer.parts.setup.items()
-            if key in position.setup and position.setup[key] != value
+            if key in saved and saved[key] != value
         )
         # A Schedule loaded a checkpoint of another plan (length, schedule, peak) by rebuilding this one's.
         rescheduled = scheduler.replanned if isinstance(scheduler, Schedule) else None
@@ -268,10 +269,10 @@ def plan(config: Config, total_steps: int, steps_per_epoch: int) -> dict[str, in
 def spread(config: Config) -> dict[str, Any]:
     """How the run is spread and computed: may change on resume, and the console says so (see restore)."""
     return {
-        "distributed.strategy": config.distributed.strategy,
-        "distributed.tp_size": config.distributed.tp_size,  # the layout: checkpoints resume under any
-        "distributed.pp_size": config.distributed.pp_size,
-        "distributed.cp_size": config.distributed.cp_size,
+        "parallel.strategy": config.parallel.strategy,
+        "parallel.tp_size": config.parallel.tp_size,  # the layout: checkpoints resume under any
+        "parallel.pp_size": config.parallel.pp_size,
+        "parallel.cp_size": config.parallel.cp_size,
         "training.compile": config.training.compile,
         "training.activation_checkpointing": config.training.activation_checkpointing,
         "training.precision": config.training.precision,

@@ -59,8 +59,8 @@ class Trainer:
     loss.py. `eval_metrics(output, batch)` returns more per-batch means, averaged over every eval sample
     exactly; `eval_metrics=dtrain.whole_split(fn)` scores `fn(predictions, targets)` of the whole split.
     `optimizer`, `scheduler`: objects or factories, else the config's (optim.py); `tp_plan` splits the model
-    under `distributed.tp_size` (parallel/tensor.py). After `setup()`, `strategy` spreads the model over
-    the processes (`distributed.strategy`), `model` is what the step calls (DDP's wrapper; FSDP's sharded
+    under `parallel.tp_size` (parallel/tensor.py). After `setup()`, `strategy` spreads the model over
+    the processes (`parallel.strategy`), `model` is what the step calls (DDP's wrapper; FSDP's sharded
     module; the plain module at one process), `module` yours.
     """
 

@@ -75,8 +75,8 @@ def problem(
         if n_head % d == 0 and n_embd % d == 0 and (window is None or window % d == 0) and (sizes is None or d in sizes)
     ]
     return (
-        f"distributed.tp_size = {tp} must divide the GPT's heads (model.options.n_head = {n_head}) and width "
-        f"(n_embd = {n_embd}), each rank holding whole heads; use distributed.tp_size in {fits}"
+        f"parallel.tp_size = {tp} must divide the GPT's heads (model.options.n_head = {n_head}) and width "
+        f"(n_embd = {n_embd}), each rank holding whole heads; use parallel.tp_size in {fits}"
     )
 
 
@@ -137,7 +137,7 @@ def _uneven(window: int, tp: int) -> str:
     below = window - window % tp
     return (
         f"data.block_size = {window}: sequence parallel splits each window's positions evenly over "
-        f"distributed.tp_size = {tp}; use a multiple of {tp} ({below or tp} or {below + tp})"
+        f"parallel.tp_size = {tp}; use a multiple of {tp} ({below or tp} or {below + tp})"
     )
 
 
