@@ -23,7 +23,7 @@ from dtrain.parallel.dims import ParallelDims, tp_sizes
     ],
 )
 def test_the_strategy_fills_its_dimensions_with_every_process(overrides, world, local, dims):
-    built = ParallelDims.from_config(load_config(None, overrides), world, local)
+    built = ParallelDims.from_config(load_config(None, overrides).parallel, world, local)
     assert built == dims and built.world_size == world and (built.tp, built.pp) == (1, 1)
 
 
@@ -38,13 +38,13 @@ def test_the_strategy_fills_its_dimensions_with_every_process(overrides, world, 
 def test_hsdp_groups_a_nodes_data_parallel_ranks_of_one_stage_by_default(world, local, dims):
     """hsdp × pp × tp: the shard groups default to the data-parallel ranks one node holds of one stage."""
     overrides = ["parallel.strategy=hsdp", "parallel.pp_size=2", "parallel.tp_size=2"]
-    assert ParallelDims.from_config(load_config(None, overrides), world, local) == dims
+    assert ParallelDims.from_config(load_config(None, overrides).parallel, world, local) == dims
 
 
 def test_shard_groups_that_do_not_divide_the_processes_are_refused_in_one_line():
     config = load_config(None, ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"])
     with pytest.raises(ConfigError) as caught:
-        ParallelDims.from_config(config, 4, 4)
+        ParallelDims.from_config(config.parallel, 4, 4)
     assert str(caught.value) == (
         "parallel.strategy = 'hsdp' shards over groups of 3 processes (parallel.hsdp_shard_size, "
         "default: the processes of one node) and 4 data-parallel processes do not divide into them; set "
@@ -63,7 +63,7 @@ def test_shard_groups_that_do_not_divide_the_processes_are_refused_in_one_line()
     ],
 )
 def test_the_data_dimensions_take_what_the_model_splits_leave(overrides, world, local, dims):
-    assert ParallelDims.from_config(load_config(None, overrides), world, local) == dims
+    assert ParallelDims.from_config(load_config(None, overrides).parallel, world, local) == dims
 
 
 def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
@@ -107,15 +107,15 @@ def test_coordinates_put_tensor_parallel_peers_on_consecutive_ranks():
 )
 def test_layouts_that_do_not_fit_the_world_are_refused_in_one_line(overrides, world, local, message):
     with pytest.raises(ConfigError) as caught:
-        ParallelDims.from_config(load_config(None, overrides), world, local)
+        ParallelDims.from_config(load_config(None, overrides).parallel, world, local)
     assert str(caught.value) == message
 
 
 def test_the_tensor_parallel_sizes_a_world_takes_leave_room_for_the_other_sizes_and_stay_in_a_node():
-    assert tp_sizes(load_config(None, []), 6, 6) == [1, 2, 3, 6]
-    assert tp_sizes(load_config(None, ["parallel.pp_size=2"]), 8, 8) == [1, 2, 4]
-    assert tp_sizes(load_config(None, []), 16, 4) == [1, 2, 4]  # 8 and 16 would span nodes of 4
-    assert tp_sizes(load_config(None, ["parallel.pp_size=3"]), 3, 3) == [1]
+    assert tp_sizes(load_config(None, []).parallel, 6, 6) == [1, 2, 3, 6]
+    assert tp_sizes(load_config(None, ["parallel.pp_size=2"]).parallel, 8, 8) == [1, 2, 4]
+    assert tp_sizes(load_config(None, []).parallel, 16, 4) == [1, 2, 4]  # 8 and 16 would span nodes of 4
+    assert tp_sizes(load_config(None, ["parallel.pp_size=3"]).parallel, 3, 3) == [1]
 
 
 @pytest.mark.parametrize(

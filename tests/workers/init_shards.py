@@ -20,6 +20,7 @@ from dtrain import distributed, parallel
 from dtrain.checkpoint import init_from
 from dtrain.export.weights import load_weights
 from dtrain.models.gpt import GPT
+from dtrain.parallel.options import StrategyOptions
 
 
 def model() -> GPT:
@@ -53,7 +54,8 @@ def main() -> None:
     with distributed.session(config.distributed) as session:
         torch.manual_seed(1)  # other weights than the file's
         sharded, whole = model(), model()
-        parallel.build(config, session, sharded, None)  # FSDP2: each rank keeps its rows
+        options, dims = StrategyOptions.of(config), parallel.layout(config, session)
+        parallel.build(options, session, sharded, None, dims)  # FSDP2: each rank keeps its rows
         source = init_from.resolve("model.init_from", weights)
         sharded_cost = cost(lambda: init_from.load_into(sharded, source, session.is_main))
         whole_cost = cost(lambda: init_from.load_into(whole, source, session.is_main))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import DtrainError
+from dtrain.parallel.options import StrategyOptions
 from dtrain.rundir import given_in_code
 
 FINAL = "final"  # the run's final weights (model.safetensors), where it holds no complete checkpoint
@@ -144,7 +145,8 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         config, _, eval_data, collate_fn = data.as_given(config, splits.train, splits.eval, None)
         parallel.to_device(module, s.device)
         timer = StepTimer(s.device, enabled=False)
-        strategy = parallel.build(config, s, module, timer, default_loss=True)  # loss parallel under tp
+        options, dims = StrategyOptions.of(config), parallel.layout(config, s)
+        strategy = parallel.build(options, s, module, timer, dims, default_loss=True)  # loss parallel under tp
         # A pipeline keeps its stages' part of the model only: read into that, under the whole model's names.
         module = strategy.module
         # Into the spread model: each rank reads its own shards (init_from.load_into).

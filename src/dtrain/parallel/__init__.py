@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from dtrain.config import Config
+from dtrain.config import Config, DDPConfig
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError
 from dtrain.parallel import blocks, deferred
@@ -30,8 +30,7 @@ from dtrain.parallel.base import Strategy
 from dtrain.parallel.deferred import to_device as to_device
 from dtrain.parallel.dims import ParallelDims, TpProblem, tp_sizes
 from dtrain.parallel.observer import CommObserver
-
-SHARDED = ("fsdp", "hsdp")  # the strategies whose processes hold shards of the state
+from dtrain.parallel.options import SHARDED, StrategyOptions
 
 
 def shards_state(config: Config) -> bool:
@@ -48,8 +47,13 @@ def builds_on_meta(config: Config, world_size: int) -> bool:
 
 
 def layout(config: Config, session: Session) -> ParallelDims:
-    """The job's dimensions of parallelism for this session's processes (checked by the launcher first)."""
-    return ParallelDims.from_config(config, session.world_size, session.env.local_world_size)
+    """The job's dimensions of parallelism for this session's processes, built once (the trainer hands
+    them on), the config checked against them first (as the launcher does: a Trainer in a script of its
+    own has no launcher)."""
+    problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
+    if problem:
+        raise ConfigError(problem)
+    return ParallelDims.from_config(config.parallel, session.world_size, session.env.local_world_size)
 
 
 def data_ranks(config: Config, world_size: int, local_world_size: int) -> int:
@@ -60,29 +64,26 @@ def data_ranks(config: Config, world_size: int, local_world_size: int) -> int:
 
 
 def build(
-    config: Config,
+    options: StrategyOptions,
     session: Session,
     module: nn.Module,
     observer: CommObserver,
-    dims: ParallelDims | None = None,
+    dims: ParallelDims,
     tp_plan: Mapping[str, Any] | None = None,
     default_loss: bool = False,
 ) -> Strategy:
     """Spread `module` (already on its device; its buffers only, where its parameters are on the meta
-    device) as `parallel.strategy` and the sizes say; `observer` (the step timer) hears of the gradient
+    device) over `dims` (`layout`) as `options` say; `observer` (the step timer) hears of the gradient
     communication. In torchtitan's order: tensor parallel (by `tp_plan`, else the model's), then
     activation checkpointing and compile per block, then FSDP over the data dimensions. `default_loss`:
     the step's loss is dtrain's cross-entropy, so the model's logits may stay split (loss parallel)."""
-    problem = check_sharding(config, session.world_size, session.env.local_world_size, session.device.type)
-    if problem:
-        raise ConfigError(problem)
-    sharded = shards_state(config)
-    deferred.check(module, config, sharded=sharded and session.world_size > 1)
-    if config.parallel.pp_size > 1:  # split first: checkpointing and compile then wrap the stage's blocks
+    sharded = options.sharded
+    deferred.check(module, sharded and session.world_size > 1, options.weights_given)
+    if dims.pp > 1:  # split first: checkpointing and compile then wrap the stage's blocks
         from dtrain.parallel.pipeline import Pipeline
 
-        return Pipeline(module, session, dims or layout(config, session), config, observer, tp_plan)
-    dims, split_logits = dims or layout(config, session), False
+        return Pipeline(module, session, dims, options, observer, tp_plan)
+    split_logits = False
     if dims.tp > 1:
         from dtrain.parallel import dropout, tensor
 
@@ -90,7 +91,7 @@ def build(
         split_logits = tensor.parallelize(module, tp_mesh, tp_plan, loss_parallel=default_loss)
         if tp_plan is None:  # the model's own plan: it knows where its dropout acts
             dropout.own_streams(module, dims.coordinate(session.rank)["tp"])
-    units = blocks.apply_block_options(module, config, session.device, sharded=sharded, quiet=session.rank != 0)
+    units = blocks.apply_block_options(module, options.blocks, session.device, sharded=sharded, quiet=session.rank != 0)
     if session.world_size == 1:  # nothing to spread: every strategy is the module itself
         return Strategy(module)
     strategy: Strategy
@@ -102,12 +103,12 @@ def build(
     elif sharded:
         from dtrain.parallel.fsdp import FSDP
 
-        strategy = FSDP(module, session, dims, config, units)
+        strategy = FSDP(module, session, dims, options.fsdp, units)
     else:
         from dtrain.parallel.ddp import DDP
 
-        timeout_s, breakdown = config.distributed.timeout_s, config.monitor.breakdown
-        strategy = DDP(module, session, dims, config.ddp, timeout_s, observer, breakdown)
+        ddp_options = options.ddp or DDPConfig()
+        strategy = DDP(module, session, dims, ddp_options, options.timeout_s, observer, options.breakdown)
     if dims.cp > 1:  # sequences split over the "cp" processes; their gradients averaged with the data's
         from dtrain.parallel.context import ContextParallel
 
@@ -127,8 +128,8 @@ def model_problem(
     if config.parallel.pp_size > 1:  # enough blocks for the stages (raises)
         from dtrain.parallel.stages import check_model
 
-        check_model(module, config)
-    sizes = tp_sizes(config, *world) if world is not None else None
+        check_model(module, config.model.blocks, config.parallel.pp_size, config.parallel.stages_per_rank)
+    sizes = tp_sizes(config.parallel, *world) if world is not None else None
     return tensor.problem(module, config.parallel.tp_size, tp_plan, _window(config), sizes)
 
 
@@ -157,7 +158,7 @@ def check_sharding(
     cannot split it (see ParallelDims.from_config)."""
     name = config.parallel.strategy
     try:  # the processes must fill every dimension (hsdp: whole shard groups; tp within a node)
-        dims = ParallelDims.from_config(config, world_size, local_world_size, model_tp_problem)
+        dims = ParallelDims.from_config(config.parallel, world_size, local_world_size, model_tp_problem)
     except ConfigError as exc:
         return str(exc)
     if dims.cp > 1 and device_type != "cuda":

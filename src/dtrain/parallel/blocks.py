@@ -37,42 +37,41 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.parallel.options import BlockOptions
 
 
 def apply_block_options(
-    module: nn.Module, config: Config, device: torch.device, *, sharded: bool, quiet: bool = False
+    module: nn.Module, options: BlockOptions, device: torch.device, *, sharded: bool, quiet: bool = False
 ) -> list[nn.Module]:
-    """Checkpoint and compile `module`'s blocks as the config says; returns the blocks (the units of a
+    """Checkpoint and compile `module`'s blocks as `options` say; returns the blocks (the units of a
     strategy that shards: `sharded`). `quiet`: a rank other than 0, which need not repeat torch's warnings."""
-    tc = config.training
-    needs_blocks = sharded or tc.activation_checkpointing != "none" or tc.compile == "blocks"
+    needs_blocks = sharded or options.activation_checkpointing != "none" or options.compile == "blocks"
     # Named blocks are looked for even where nothing uses them, so that a misspelt name is refused, not ignored.
-    blocks = find_blocks(module, config.model.blocks) if needs_blocks or config.model.blocks else []
-    wanted_blocks = tc.activation_checkpointing != "none" or tc.compile == "blocks"
+    blocks = find_blocks(module, list(options.names)) if needs_blocks or options.names else []
+    wanted_blocks = options.activation_checkpointing != "none" or options.compile == "blocks"
     if wanted_blocks and not blocks:
         raise ConfigError(
             f"training.activation_checkpointing and training.compile=blocks work block by block, "
             f"and {type(module).__name__} has no blocks dtrain can find (no _no_split_modules, no "
             f"nn.ModuleList): name its block class in model.blocks"
-            + ("" if tc.compile != "blocks" else ", or use training.compile=model")
+            + ("" if options.compile != "blocks" else ", or use training.compile=model")
         )
-    if tc.activation_checkpointing != "none":
+    if options.activation_checkpointing != "none":
         _no_kv_cache(module)
-        own = _use_own_checkpointing(module, tc.activation_checkpointing)
+        own = _use_own_checkpointing(module, options.activation_checkpointing)
         for block in blocks:
             if not any(_is_inside(block, model) for model in own):  # recomputed once, not twice
-                block.forward = _checkpointed(block.forward, tc.activation_checkpointing)
-    if tc.compile != "none":
+                block.forward = _checkpointed(block.forward, options.activation_checkpointing)
+    if options.compile != "none":
         problem = compiler_problem(device)
         if problem:
             raise ConfigError(problem)
-        if tc.activation_checkpointing == "selective" and quiet:
+        if options.activation_checkpointing == "selective" and quiet:
             # torch warns, on every rank, that a selectively checkpointed region must not hold in-place
             # ops: once is enough.
             logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
-        for target in blocks if tc.compile == "blocks" else [module]:
+        for target in blocks if options.compile == "blocks" else [module]:
             target.forward = torch.compile(target.forward)
     return blocks
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtrain.config import Config
 from dtrain.errors import ConfigError
 
 
@@ -38,7 +37,7 @@ def to_device(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = buffer.to(device)
 
 
-def check(module: nn.Module, config: Config, sharded: bool) -> None:
+def check(module: nn.Module, sharded: bool, weights_given: bool) -> None:
     """Refuse a model on the meta device that the strategy will not shard, or that no weights will fill."""
     if not on_meta(module):
         return
@@ -49,7 +48,7 @@ def check(module: nn.Module, config: Config, sharded: bool) -> None:
             f"parallel.strategy = fsdp or hsdp on 2 or more processes gives them memory; build the model "
             f"on a real device"
         )
-    if config.model.weights is None:
+    if not weights_given:
         raise ConfigError(
             f"the model's parameters ({', '.join(names)}, ...) are on the meta device and no weights fill them; "
             f"give model.init_from, or build the model on a real device"

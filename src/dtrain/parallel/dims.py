@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from dtrain.config import Config
+from dtrain.config import ParallelConfig
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,19 +54,18 @@ class ParallelDims:
 
     @classmethod
     def from_config(
-        cls, config: Config, world_size: int, local_world_size: int, tp_problem: TpProblem | None = None
+        cls, parallel: ParallelConfig, world_size: int, local_world_size: int, tp_problem: TpProblem | None = None
     ) -> ParallelDims:
         """The dimensions these keys fill with `world_size` processes, `local_world_size` per node;
         refused in one line when they cannot. `tp_problem`: why the model cannot be split over that many
         tensor-parallel processes (None: it can), so that a refusal of tp_size gives the model's reason
         where it has one and offers only sizes that would work."""
-        dc = config.parallel
-        model = {"tp": dc.tp_size, "pp": dc.pp_size, "cp": dc.cp_size}
+        model = {"tp": parallel.tp_size, "pp": parallel.pp_size, "cp": parallel.cp_size}
         split = math.prod(model.values())
         if world_size % split:
             used = [k for k, v in model.items() if v > 1]
             if used == ["tp"] and tp_problem is not None:  # the model refuses this size on any world: that first
-                said = tp_problem(dc.tp_size, tp_sizes(config, world_size, local_world_size))
+                said = tp_problem(parallel.tp_size, tp_sizes(parallel, world_size, local_world_size))
                 if said:
                     raise ConfigError(said)
             named = " × ".join(f"{_KEYS[k]} = {model[k]}" for k in used)
@@ -84,7 +83,7 @@ class ParallelDims:
                 f"multiple of {split} processes ({multiples}, ...) or {instead} (checkpoints resume under any "
                 f"layout)"
             )
-        inner = dc.tp_size * dc.cp_size  # the dimensions whose groups must lie within one node
+        inner = parallel.tp_size * parallel.cp_size  # the dimensions whose groups must lie within one node
         if inner > 1 and local_world_size % inner and world_size > local_world_size:
             raise ConfigError(
                 f"parallel.tp_size × cp_size = {inner} would span nodes of {local_world_size} processes "
@@ -92,12 +91,12 @@ class ParallelDims:
                 f"{local_world_size}, with FSDP or pipeline stages across the nodes"
             )
         dp = world_size // split
-        if dc.strategy == "fsdp":
+        if parallel.strategy == "fsdp":
             return cls(dp_shard=dp, **model)
-        if dc.strategy == "hsdp":
+        if parallel.strategy == "hsdp":
             # A node's data-parallel ranks of one pipeline stage (pp outermost: a stage's ranks are
             # consecutive, spanning nodes or sharing one).
-            shard = dc.hsdp_shard_size or max(1, min(local_world_size, world_size // dc.pp_size) // inner)
+            shard = parallel.hsdp_shard_size or max(1, min(local_world_size, world_size // parallel.pp_size) // inner)
             if dp % shard:
                 raise ConfigError(
                     f"parallel.strategy = 'hsdp' shards over groups of {shard} processes "
@@ -180,13 +179,12 @@ class ParallelDims:
         return mesh[shard if self.dp_shard > 1 or self.dp_replicate == 1 else "dp_replicate"]
 
 
-def tp_sizes(config: Config, world_size: int, local_world_size: int) -> list[int]:
+def tp_sizes(parallel: ParallelConfig, world_size: int, local_world_size: int) -> list[int]:
     """The tensor-parallel sizes that factor a world of `world_size` processes, `local_world_size` per
     node, with the other sizes as set (tp × cp within a node when the job spans several)."""
-    dc = config.parallel
     return [
         d
         for d in range(1, world_size + 1)
-        if world_size % (d * dc.pp_size * dc.cp_size) == 0
-        and (world_size <= local_world_size or local_world_size % (d * dc.cp_size) == 0)
+        if world_size % (d * parallel.pp_size * parallel.cp_size) == 0
+        and (world_size <= local_world_size or local_world_size % (d * parallel.cp_size) == 0)
     ]

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from dtrain.config import Config
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError
 from dtrain.parallel import deferred
@@ -25,6 +24,7 @@ from dtrain.parallel.base import Strategy
 from dtrain.parallel.blocks import check_unshared
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import clip_grad_norm, gathered_state_dict
+from dtrain.parallel.options import FSDPOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,10 +35,12 @@ class FSDP(Strategy):
     shards_state = True
     comm_in_compute = True
 
-    def __init__(self, module: nn.Module, session: Session, dims: ParallelDims, config: Config, units: list[nn.Module]):
+    def __init__(
+        self, module: nn.Module, session: Session, dims: ParallelDims, options: FSDPOptions, units: list[nn.Module]
+    ):
         super().__init__(module, dims)
         self.mesh = dims.dp_mesh(session.device.type)
-        shard(module, units, self.mesh, config, session.device)
+        shard(module, units, self.mesh, options, session.device)
         self.units = len(units)
 
     def sync_gradients(self, enabled: bool) -> None:
@@ -52,32 +54,37 @@ class FSDP(Strategy):
         return gathered_state_dict(self.module, self.mesh.get_rank() == 0)
 
 
-def shard(module: nn.Module, units: list[nn.Module], mesh: DeviceMesh, config: Config, device: torch.device) -> None:
+def shard(
+    module: nn.Module, units: list[nn.Module], mesh: DeviceMesh, options: FSDPOptions, device: torch.device
+) -> None:
     """`fully_shard` each of `units` (the blocks), then `module` (what is left: embeddings, norm, head)
     over `mesh`; a model built on the meta device then gets memory for each rank's shards."""
-    dc = config.parallel
     offload = OffloadPolicy()  # fully_shard's default: none
-    if dc.fsdp_cpu_offload:
+    if options.cpu_offload:
         if device.type != "cuda":
             raise ConfigError(
                 "parallel.fsdp_cpu_offload moves GPU parameters and optimizer state to "
                 "the CPU, and this job trains on the CPU already; set it to false"
             )
         offload = CPUOffloadPolicy(pin_memory=True)
-    precision = _precision_policy(config.training.precision)
+    precision = _precision_policy(options.precision)
     check_unshared(module, units)
     for i, unit in enumerate(units):
         # The last block's parameters would be gathered again at once, backward starting where the
         # forward pass ended: they stay (as torchtitan does; FSDP2 treats the root alike).
         last = i == len(units) - 1
-        reshard = dc.reshard_after_forward and not last
+        reshard = options.reshard_after_forward and not last
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload)
     fully_shard(
-        module, mesh=mesh, reshard_after_forward=dc.reshard_after_forward, mp_policy=precision, offload_policy=offload
+        module,
+        mesh=mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=precision,
+        offload_policy=offload,
     )
     # A model built on the meta device: each rank's shards get memory now, where they live (the CPU
     # with offload), and the weights the run starts from fill them.
-    deferred.materialise(module, torch.device("cpu") if dc.fsdp_cpu_offload else device)
+    deferred.materialise(module, torch.device("cpu") if options.cpu_offload else device)
 
 
 def _precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from dtrain.config import Config
 from dtrain.data.batch import split
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError, DtrainError
@@ -36,6 +35,7 @@ from dtrain.parallel.base import Strategy
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import grad_norm, local, placed_as_parameter, whole
 from dtrain.parallel.observer import CommObserver
+from dtrain.parallel.options import StrategyOptions
 from dtrain.parallel.stages import Layout, block_list, split_model, split_problem
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -111,11 +111,11 @@ class Pipeline(Strategy):
         module: nn.Module,
         session: Session,
         dims: ParallelDims,
-        config: Config,
+        options: StrategyOptions,
         observer: CommObserver,
         tp_plan: Mapping[str, Any] | None = None,
     ):
-        dc = config.parallel
+        staging = options.pipeline
         sharded = dims.dp_shard > 1  # FSDP inside each stage (one stage per process: pipeline_problem)
         mesh = dims.world_mesh(session.device.type)
         self.group = mesh["pp"].get_group()
@@ -124,12 +124,12 @@ class Pipeline(Strategy):
         self.replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 and not sharded else None
         self.ranks = dist.get_process_group_ranks(self.group)
         pp_rank = mesh["pp"].get_local_rank()
-        list_name, listed = block_list(module, config.model.blocks)
-        problem = split_problem(len(listed), dims.pp, dc.stages_per_rank)
+        list_name, listed = block_list(module, list(options.blocks.names))
+        problem = split_problem(len(listed), dims.pp, staging.stages_per_rank)
         if problem:
             raise ConfigError(problem)
         self.whole_names = list(module.state_dict())
-        self.layout = Layout(module, list_name, len(listed), dims.pp, pp_rank, dc.stages_per_rank, dc.pp_split)
+        self.layout = Layout(module, list_name, len(listed), dims.pp, pp_rank, staging.stages_per_rank, staging.split)
         self._tied_groups = tied = _tied_names(module)
         whole = dict(module.named_parameters(remove_duplicate=False))
         # The shapes of each tied group, for a process that holds none of it.
@@ -139,11 +139,12 @@ class Pipeline(Strategy):
             parallelize_stage(part, mesh["tp"], dims.coordinate(session.rank)["tp"], tp_plan)
         # Checkpointing and compiling block by block, on this process's blocks only (after the copy:
         # they replace each block's forward in place).
-        units = blocks.apply_block_options(part, config, session.device, sharded=sharded, quiet=session.rank != 0)
+        quiet = session.rank != 0
+        units = blocks.apply_block_options(part, options.blocks, session.device, sharded=sharded, quiet=quiet)
         if sharded:  # then FSDP over the stage's data-parallel processes, torchtitan's order
             from dtrain.parallel import fsdp
 
-            fsdp.shard(part, units, dims.dp_mesh(session.device.type), config, session.device)
+            fsdp.shard(part, units, dims.dp_mesh(session.device.type), options.fsdp, session.device)
             self.shards_state = self.comm_in_compute = True
         self.first, self.last = 0 in self.layout.mine, self.layout.n_stages - 1 in self.layout.mine
         super().__init__(part, dims)
@@ -156,7 +157,7 @@ class Pipeline(Strategy):
             PipelineStage(view, stage, self.layout.n_stages, session.device, group=self.group)
             for view, stage in zip(views, self.layout.mine, strict=True)
         ]
-        self.schedule_name, self.per_rank = dc.pp_schedule, dc.stages_per_rank
+        self.schedule_name, self.per_rank = staging.schedule, staging.stages_per_rank
         self._schedules: dict[int, Any] = {}
         self._shares: Any = None
         self._loss_index = 0

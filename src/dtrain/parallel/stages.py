@@ -23,7 +23,6 @@ from typing import cast
 
 from torch import nn
 
-from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel import blocks
 
@@ -99,14 +98,13 @@ def block_list(module: nn.Module, names: list[str]) -> tuple[str, nn.ModuleList]
     )
 
 
-def check_model(module: nn.Module, config: Config) -> None:
-    """Refuse, in one line, a model the pipeline cannot split as `distributed` says (the launcher asks, on
-    the model built on the meta device)."""
-    dc = config.parallel
-    if dc.pp_size <= 1:
+def check_model(module: nn.Module, block_names: list[str], pp_size: int, stages_per_rank: int) -> None:
+    """Refuse, in one line, a model the pipeline cannot split into `pp_size` × `stages_per_rank` stages of
+    its blocks (the launcher asks, on the model built on the meta device)."""
+    if pp_size <= 1:
         return
-    _, listed = block_list(module, config.model.blocks)
-    problem = split_problem(len(listed), dc.pp_size, dc.stages_per_rank)
+    _, listed = block_list(module, block_names)
+    problem = split_problem(len(listed), pp_size, stages_per_rank)
     if problem:
         raise ConfigError(problem)
 

@@ -34,6 +34,7 @@ from dtrain.observe.monitor import Monitor
 from dtrain.observe.profiling import StepProfiler
 from dtrain.observe.steptime import StepTimer
 from dtrain.observe.watchdog import HangWatch
+from dtrain.parallel.options import StrategyOptions
 from dtrain.rundir import resume_point
 from dtrain.rundir.claim import RunDirClaim
 from dtrain.rundir.mirror import local_dir
@@ -162,7 +163,8 @@ class Trainer:
         skips, world, loss_of = self.precision.scaler.is_enabled(), session.world_size, self.loss_of
         self.metrics = StepMetrics.for_run(cfg, device, world, self.timer, self.module, batches, loss_of, skips, dims)
         default_loss = self.loss_of.is_default  # dtrain's cross-entropy: tensor parallel may split the logits
-        self.strategy = parallel.build(cfg, session, self.module, self.timer, dims, self.tp_plan, default_loss)
+        options = StrategyOptions.of(cfg)  # what the strategy reads of the config
+        self.strategy = parallel.build(options, session, self.module, self.timer, dims, self.tp_plan, default_loss)
         self.timer.comm_inside_compute = self.strategy.comm_in_compute  # no comm phase of its own to time
         self.model, self.module = self.strategy.model, self.strategy.module  # a pipeline: its stages' part
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
