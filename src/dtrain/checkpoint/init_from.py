@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtrain.checkpoint.state import whole_model_names
 from dtrain.errors import ConfigError
+from dtrain.parallel.base import StageNames
 
 INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
@@ -108,18 +108,19 @@ def _indexed_files(key: str, folder: Path) -> tuple[Path, ...]:
     return tuple(folder / name for name in names)
 
 
-def load_into(module: Any, source: Source, is_main: bool) -> None:
+def load_into(module: Any, source: Source, is_main: bool, stage: StageNames | None = None) -> None:
     """Read `source` into `module`'s parameters and buffers in place, on every rank (a collective). Names
-    and shapes are checked first, by rank 0, and a difference is one line on every rank."""
+    and shapes are checked first, by rank 0, and a difference is one line on every rank. `stage`: `module`
+    is a pipeline stage's part of the model (the strategy's `stage`)."""
     import torch
 
     from dtrain import distributed
 
     state = module.state_dict()
-    names = distributed.rank0_decides(lambda: check_fit(module, source), is_main=is_main)
+    names = distributed.rank0_decides(lambda: check_fit(module, source, stage), is_main=is_main)
     assert names is not None
-    if whole_model_names(module):  # a pipeline stage's part: its own names, not rank 0's
-        names = check_fit(module, source)
+    if stage is not None:  # a pipeline stage's part: its own names, not rank 0's
+        names = check_fit(module, source, stage)
     if source.checkpoint is not None:
         _read_checkpoint(source.checkpoint, state, _checkpoint_names(source.checkpoint)[1])
         return
@@ -130,19 +131,20 @@ def load_into(module: Any, source: Source, is_main: bool) -> None:
             where[stored].read_into(stored, tensor, transpose)
 
 
-def check_fit(module: Any, source: Source) -> dict[str, tuple[str, bool]]:
+def check_fit(module: Any, source: Source, stage: StageNames | None = None) -> dict[str, tuple[str, bool]]:
     """Each of `module`'s state-dict names → the stored name it reads from and whether it is stored
     transposed, or a one-line refusal; from the files' headers (and a bias-less GPT's zero biases). The
     launcher asks it of a built-in model built on the meta device."""
     if source.checkpoint is not None:
-        return {n: (s, False) for n, s in _fit(source, module, _checkpoint_names(source.checkpoint)[0]).items()}
+        stored = _checkpoint_names(source.checkpoint)[0]
+        return {n: (s, False) for n, s in _fit(source, module, stored, others=_others(stage)).items()}
     files = [_Safetensors(path) for path in source.files]
     shapes = {name: tuple(entry["shape"]) for file in files for name, entry in file.entries.items()}
     aliases = {n: v for file in files for n, v in file.metadata.items() if v in shapes and n not in shapes}
     renamed = _as_built_in_gpt(source, module, files, shapes)
     if renamed is not None:  # a GPT-2 folder (`dtrain export`'s) into the built-in GPT: its names, its shapes
         shapes = {ours: shapes[name][::-1] if t else shapes[name] for ours, (name, t) in renamed.items()}
-    found = _fit(source, module, shapes, aliases)
+    found = _fit(source, module, shapes, aliases, _others(stage))
     result = {n: renamed[s] if renamed is not None else (s, False) for n, s in found.items()}
     _check_floats(source, module, result, {name: e["dtype"] for file in files for name, e in file.entries.items()})
     return result
@@ -316,6 +318,7 @@ def _fit(
     module: Any,
     stored: dict[str, tuple[int, ...]],
     aliases: dict[str, str] | None = None,
+    others: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """Each state-dict name → the stored name it reads from; or a one-line refusal naming the first
     missing, unexpected and differently shaped tensors. A tensor tied under several names (GPT-2's
@@ -336,7 +339,6 @@ def _fit(
             shapes.append(f"{name} {list(stored[found])} in the file, {list(tensor.shape)} in the model")
     used = set(names.values())
     # A pipeline stage's part of the model (parallel/pipeline.py) reads its own names of the whole model's.
-    others = whole_model_names(module)
     unexpected = [n for n in stored if n not in used and n not in others]
     problems = [
         f"{what} {_first(items)}"
@@ -372,3 +374,8 @@ def _tie_groups(state: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     for name, tensor in state.items():
         by_object.setdefault(id(tensor), []).append(name)
     return {n: tuple(o for o in group if o != n) for group in by_object.values() if len(group) > 1 for n in group}
+
+
+def _others(stage: StageNames | None) -> frozenset[str]:
+    """The names a file holds beyond `module`'s own that are no surprise: the other pipeline stages'."""
+    return stage.whole if stage is not None else frozenset()

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dtrain.checkpoint.formats import FLAT_NAMES
 from dtrain.checkpoint.rng import device_of, load_rng, save_rng
-from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, whole_model_names
+from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts
 from dtrain.checkpoint.store import CheckpointError
 from dtrain.files import fsync_file
+from dtrain.parallel.base import StageNames
 
 _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 _UNFIT = (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError)
@@ -89,8 +90,8 @@ class Part:
 def adapters(parts: Parts) -> dict[str, Part]:
     """Every part of `parts`, in the order they are put back (RNG last: nothing may draw after it)."""
     found: dict[str, Part] = {
-        "model": ModelPart(parts.module),
-        "optimizer": OptimizerPart(parts.module, parts.optimizer),
+        "model": ModelPart(parts.module, parts.stage),
+        "optimizer": OptimizerPart(parts.module, parts.optimizer, parts.stage),
         "scheduler": SchedulePart("scheduler", parts.scheduler),
         "scaler": ScalerPart("scaler", parts.scaler),
     }
@@ -110,11 +111,11 @@ class ModelPart(Part):
     by their owners, read back as this run places and shards them. A LoRA model's: only what trains (its
     adapters; the frozen base is rebuilt from its reference on resume, models/lora.py)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, stage: StageNames | None = None):
         from dtrain.models import lora
 
         super().__init__("model")
-        self.module = module
+        self.module, self.stage = module, stage
         adapted = lora.of(module) is not None
         self.options = StateDictOptions(ignore_frozen_params=adapted)
         # Every name of a frozen parameter: DCP drops a tied one (a head tied to its embedding) under its
@@ -132,7 +133,7 @@ class ModelPart(Part):
     def targets(self, saved: Saved) -> dict[str, Any]:
         state = self._state()
         # A pipeline stage holds part of the model: the checkpoint's other names are the other stages'.
-        _check_model(saved, state, whole_model_names(self.module))
+        _check_model(saved, state, self.stage.whole if self.stage else frozenset())
         return state
 
     def restore(self, saved: Saved, tensors: dict[str, Any]) -> None:
@@ -184,9 +185,9 @@ class OptimizerPart(Part):
     """The optimizer's per-parameter tensors through DCP ("optimizer.state.<fqn>.<name>"), its groups and
     other values in trainer.json."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: StageNames | None = None):
         super().__init__("optimizer")
-        self.module, self.optimizer = module, optimizer
+        self.module, self.optimizer, self.stage = module, optimizer, stage
         self.saved_any = True
         self.renamed: dict[str, str] = {}  # the name a tied parameter's state was saved by: its name here
 
@@ -213,8 +214,8 @@ class OptimizerPart(Part):
         held_state: dict[str, dict[str, torch.Tensor]] = {}
         live: dict[str, Any] = dict(get_optimizer_state_dict(self.module, self.optimizer))
         # A tied parameter's state is saved under the name its writer held it by: a pipeline's last stage
-        # holds the GPT's head, a whole model the embedding it is tied to (pipeline_tied, parallel/pipeline.py).
-        tied: dict[str, list[str]] = getattr(self.module, "pipeline_tied", {})
+        # holds the GPT's head, a whole model the embedding it is tied to (StageNames.tied, parallel/pipeline.py).
+        tied = self.stage.tied if self.stage else {}
         self.renamed = {}
         for fqn, values in split_tensors(live["state"])[0].items():
             for other in tied.get(fqn, []):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.store import CheckpointError
+from dtrain.parallel.base import StageNames
 
 # What a rerun of a finished run is told.
 NOTHING_TO_TRAIN = "nothing to train — raise training.epochs or training.max_steps to train on"
@@ -83,6 +84,8 @@ class Parts:
     # The processes drawing distinct samples (the data-parallel ones; 0: every process): under tensor or
     # pipeline parallel a replica's processes share its samples, and the global batch is theirs × per rank.
     data_ranks: int = 0
+    # Where `module` is a pipeline stage's part of the model: its place in the whole (the strategy's).
+    stage: StageNames | None = None
 
     @property
     def data_world(self) -> int:
@@ -187,9 +190,3 @@ def regroup(
 
 def processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def whole_model_names(module: Any) -> frozenset[str]:
-    """Where `module` is a pipeline stage's part of the model (parallel/pipeline.py marks it so), every
-    name of the whole model: a checkpoint or weights file also holds the other stages'. Else empty."""
-    return getattr(module, "pipeline_whole_names", frozenset())

@@ -152,7 +152,7 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
         # Into the spread model: each rank reads its own shards (init_from.load_into).
         source = init_from.Source("RUN_DIR", choice.path, **_source_of(choice))
         try:
-            init_from.load_into(module, source, s.is_main)
+            init_from.load_into(module, source, s.is_main, strategy.stage)
         except BaseException:  # DCP's CheckpointException is a BaseException
             if choice.path.exists():
                 raise

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from dtrain.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class StageNames:
+    """A pipeline stage's part of the model within the whole model, for what reads or writes its tensors
+    under the whole model's names (checkpoints, weight files: they hold every stage's): every name of
+    the whole model, and each tied parameter's other names (under which its writer may have held it)."""
+
+    whole: frozenset[str]
+    tied: Mapping[str, tuple[str, ...]]
 
 
 class Strategy:
@@ -36,6 +47,8 @@ class Strategy:
         self.model: nn.Module = module
         self.dims = dims or ParallelDims()
 
+    # A pipeline stage's place in the whole model (pipeline.py); None where this process holds all of it.
+    stage: StageNames | None = None
     # Context parallel (context.py), where parallel.cp_size > 1: what a step runs inside.
     sequence_split: Any = None
     # Loss parallel: whether the model's logits come as a DTensor split over the vocabulary over the

@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.parallel.model_hooks import offered, set_sequence_positions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-POSITIONS = "sequence_positions"  # the attribute a model reads its positions from under context parallel
 
 
 def sequence_tensors(batch: Any) -> list[torch.Tensor]:
@@ -89,10 +88,10 @@ class ContextParallel:
     """Runs a step's micro-batches with their sequences split over the mesh `mesh` (the "cp" dimension)."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh):
-        if not hasattr(module, POSITIONS):
+        if not offered(module).sequence_positions:
             raise ConfigError(
                 f"parallel.cp_size > 1 splits the sequences of the built-in GPT (model.name=gpt), whose "
-                f"positions it can split too; {type(module).__name__} has no `{POSITIONS}`: set "
+                f"positions it can split too; {type(module).__name__} has no `sequence_positions`: set "
                 f"parallel.cp_size=1"
             )
         self.module, self.mesh = module, mesh
@@ -122,7 +121,7 @@ class ContextParallel:
         for t in buffers:  # own storage each: inputs and targets are often views of one window
             t.set_(t.contiguous().clone())  # type: ignore[call-overload]
         positions = torch.arange(length, device=buffers[0].device)
-        setattr(self.module, POSITIONS, positions)
+        set_sequence_positions(self.module, positions)
         # Only these kernels have a ring rule: the math kernel would attend within each rank's chunk only,
         # silently (torchtitan restricts them the same way).
         ring_kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -138,4 +137,4 @@ class ContextParallel:
             ):
                 yield
         finally:
-            setattr(self.module, POSITIONS, None)
+            set_sequence_positions(self.module, None)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtrain.parallel.model_hooks import offered
+
 # Far apart, so tp rank r's stream is not another run's (seed + r) stream.
 _STRIDE = 1_000_003
 
@@ -25,7 +27,7 @@ _STRIDE = 1_000_003
 def own_streams(module: nn.Module, tp_rank: int) -> bool:
     """Move this process's dropout onto tp rank `tp_rank`'s stream where `module` asks for it (rank 0
     keeps the stream one process would draw); whether it moved."""
-    if tp_rank == 0 or not getattr(module, "tp_dropout_on_shards", False):
+    if tp_rank == 0 or not offered(module).tp_dropout_on_shards:
         return False
     torch.manual_seed(torch.initial_seed() + _STRIDE * tp_rank)  # CPU and every CUDA device
     return True

@@ -31,7 +31,7 @@ from dtrain.data.batch import split
 from dtrain.distributed import Session
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.parallel import blocks
-from dtrain.parallel.base import Strategy
+from dtrain.parallel.base import StageNames, Strategy
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import grad_norm, local, placed_as_parameter, whole
 from dtrain.parallel.observer import CommObserver
@@ -148,10 +148,10 @@ class Pipeline(Strategy):
             self.shards_state = self.comm_in_compute = True
         self.first, self.last = 0 in self.layout.mine, self.layout.n_stages - 1 in self.layout.mine
         super().__init__(part, dims)
-        # What checkpoints may hold beyond this stage's names: the rest of the whole model (parts.py).
-        part.pipeline_whole_names = frozenset(self.whole_names)  # type: ignore[assignment]
-        # Each tied parameter's other names, under which a checkpoint may hold its optimizer state.
-        part.pipeline_tied = {n: [o for o in group if o != n] for group in tied for n in group}  # type: ignore[assignment]
+        # What checkpoints may hold beyond this stage's names (the rest of the whole model), and each tied
+        # parameter's other names, under which a checkpoint may hold its optimizer state (checkpoint/parts.py).
+        others = {n: tuple(o for o in group if o != n) for group in tied for n in group}
+        self.stage = StageNames(frozenset(self.whole_names), others)
         self.model = _Stages(part, views, self.layout, self.group, self.ranks)
         self.stages = [
             PipelineStage(view, stage, self.layout.n_stages, session.device, group=self.group)

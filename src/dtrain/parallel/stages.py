@@ -10,7 +10,7 @@ blocks of other stages deleted and the modules before the blocks (embeddings) ke
 only, those after them (final norm, head) on the last only, the rest set to None. Every parameter keeps
 the whole model's name (`h.3.attn...` on the second stage), so state dicts and checkpoints read as the
 whole model's and resume under any layout. The model's forward must pass its input through a part that
-is None (the built-in GPT does: models/gpt.py).
+is None (the built-in GPT does: models/gpt/model.py; parallel/model_hooks.py says so).
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ over the data dimensions (torchtitan's order). Parameters become DTensors on the
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import clip_grad_norm, gathered_state_dict
+from dtrain.parallel.model_hooks import offered
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,9 +49,10 @@ def problem(
     takes), where given."""
     if tp == 1 or plan is not None:
         return None
-    if callable(getattr(module, "tp_plan", None)):
-        check = getattr(module, "tp_problem", None)
-        if not callable(check):
+    hooks = offered(module)
+    if hooks.tp_plan is not None:
+        check = hooks.tp_problem
+        if check is None:
             return None
         return check(tp, window) if sizes is None else check(tp, window, sizes)
     hf = _hf_model(module)
@@ -84,7 +85,8 @@ def parallelize(
     if found:
         raise ConfigError(found)
     tied, split_logits = _tied_names(module), False
-    hf = _hf_model(module) if plan is None and not callable(getattr(module, "tp_plan", None)) else None
+    hooks = offered(module)
+    hf = _hf_model(module) if plan is None and hooks.tp_plan is None else None
     if hf is not None:  # its plan names its own modules, by style names transformers knows
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -105,9 +107,7 @@ def parallelize(
                     f"(here: {', '.join(_some_module_names(module))})"
                 )
         else:
-            own: Callable[..., dict[str, Any]] = module.tp_plan  # type: ignore[assignment]
-            split_logits = loss_parallel and "loss_parallel" in inspect.signature(own).parameters
-            chosen = own(loss_parallel=True) if split_logits else own()
+            chosen, split_logits = hooks.plan(loss_parallel)
         parallelize_module(module, mesh, chosen)
     for names in tied:
         _tie(module, names)

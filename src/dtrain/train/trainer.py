@@ -176,6 +176,7 @@ class Trainer:
     def _resume(self, session: distributed.Session, claim: RunDirClaim) -> None:
         """Claim run.dir, resume from its newest checkpoint (if any), and start the run's outputs."""
         assert self.optimizer and self.scheduler and self.precision and self.metrics and self.train_batches
+        assert self.strategy
         cfg, samples_per_step = self.config, self.config.data.batch_size * self.grad_accum_steps  # per data rank
         dp = self.metrics.data_ranks  # the processes drawing distinct samples (tensor, pipeline peers share)
         self.stop_request.install()  # from here a SIGTERM must not end the process mid-write
@@ -185,6 +186,7 @@ class Trainer:
         identity, spread = resume.identity(cfg, data.samples_in(self.train_data)), resume.spread(cfg)
         plan, extra = resume.plan(cfg, total, per_epoch), {**self.checkpoint_parts, **self.train_batches.parts()}
         parts = Parts(*held, samples_per_step, identity=identity, extra=extra, setup=spread, plan=plan, data_ranks=dp)
+        parts.stage = self.strategy.stage  # a pipeline stage's place in the whole model, for its checkpoints
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, parts, claim.checkpoints)
         store, at = self.checkpointer.store, lambda: self.step
         self.stop_request.abandon_line = lambda: abandoned(at(), store) if session.is_main else None  # 2nd Ctrl-C
@@ -197,7 +199,8 @@ class Trainer:
         elif cfg.model.weights and not lora.of(
             self.module
         ):  # a new run: init_from's (or an hf: folder's) weights, into the spread model
-            init_from.load_into(self.module, init_from.resolve(*cfg.model.weights), session.is_main)
+            weights, stage = init_from.resolve(*cfg.model.weights), self.strategy.stage
+            init_from.load_into(self.module, weights, session.is_main, stage)
         self.monitor = self.plan.start_outputs(cfg, session, claim.said(), self.step, self.epoch, per_epoch, total)
         self.checkpointer.report = claim.sending(self.monitor.log)  # each sealed checkpoint's times (to a store)
 
