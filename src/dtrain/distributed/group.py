@@ -57,20 +57,6 @@ def resolve_backend(requested: str, device: str = "auto") -> str:
     return requested
 
 
-def check_device_capacity(backend: str, local_world_size: int, gpus: int) -> None:
-    """nccl binds one GPU per process: more local processes than GPUs cannot work.
-
-    Only dtrain's own launcher checks this, counting the GPUs it sees. A worker started by srun or
-    an MPI wrapper may see only the one GPU it was given (CUDA_VISIBLE_DEVICES per task), and that is
-    as it should be: it binds that one.
-    """
-    if backend == "nccl" and local_world_size > gpus:
-        raise ConfigError(
-            f"--nproc {local_world_size} asks for more nccl processes than this "
-            f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo"
-        )
-
-
 def device_index(local_rank: int, visible: int) -> int:
     """The GPU a worker binds among those it sees: its own when it sees one per local rank, the only
     one when it was given exactly one (srun --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from dtrain.errors import EnvironmentProblem
+from dtrain.errors import ConfigError, EnvironmentProblem
 
 _PROBE = """
 import json, torch
@@ -47,3 +47,17 @@ def visible_gpus() -> list[Gpu]:
             f"driver with nvidia-smi, or hide the GPUs with CUDA_VISIBLE_DEVICES="
         )
     return [Gpu(g["name"], tuple(g["capability"])) for g in json.loads(child.stdout)]
+
+
+def check_device_capacity(backend: str, local_world_size: int, gpus: int) -> None:
+    """nccl binds one GPU per process: more local processes than GPUs cannot work.
+
+    Only dtrain's own launcher checks this (preflight), counting the GPUs it sees. A worker started by srun or
+    an MPI wrapper may see only the one GPU it was given (CUDA_VISIBLE_DEVICES per task), and that is
+    as it should be: it binds that one.
+    """
+    if backend == "nccl" and local_world_size > gpus:
+        raise ConfigError(
+            f"--nproc {local_world_size} asks for more nccl processes than this "
+            f"machine's {gpus} GPU(s); use --nproc {gpus} or distributed.backend=gloo"
+        )

@@ -48,7 +48,7 @@ def preflight(config: Config, world_size: int, local_world_size: int, config_fil
     problem = parallel.check_sharding(config, world_size, local_world_size, device_type, _model_tp_problem(config))
     if problem:
         raise ConfigError(problem)
-    distributed.check_device_capacity(backend, local_world_size, len(gpus))
+    devices.check_device_capacity(backend, local_world_size, len(gpus))
     # The devices the workers will bind: the first GPUs, or this CPU.
     targets = [("cuda", g.name, g.capability) for g in gpus[:local_world_size]] or [("cpu", "", (0, 0))]
     for device_type, name, capability in targets:
