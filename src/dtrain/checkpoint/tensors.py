@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtrain.checkpoint import formats
 from dtrain.checkpoint.metadata import SafeReader
-from dtrain.checkpoint.parts import Part, Saved, adapters
+from dtrain.checkpoint.part import Part, Saved
+from dtrain.checkpoint.parts import adapters
 from dtrain.checkpoint.rng import load_rng as _load_rng
 from dtrain.checkpoint.rng import save_rng as _save_rng
 from dtrain.checkpoint.state import BUILT_IN_PARTS, Parts, Position, data_ranks_of, identity_mismatch
