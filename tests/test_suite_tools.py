@@ -69,3 +69,20 @@ def test_a_whole_run_over_its_process_budget_fails_and_the_report_holds_each_tes
     assert suite_table.main([str(tmp_path / "junit.xml"), "--waiting", "1"]) == 0
     waiting = capsys.readouterr().out.splitlines()
     assert len(waiting) == 3 and waiting[2].endswith("| tests.test_small::test_waits |"), waiting
+
+
+def test_module_sizes_names_each_module_past_the_limit_and_fails(tmp_path):
+    """tools/module_sizes.py, which CI runs on src/dtrain: every module past the limit named, longest
+    first, exit 1; none past it, exit 0 (the package itself passes)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * 450)
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 451)
+    (tmp_path / "pkg" / "longer.py").write_text("x = 1\n" * 600)
+    tool = [sys.executable, str(ROOT / "tools" / "module_sizes.py")]
+    found = subprocess.run([*tool, str(tmp_path / "pkg")], capture_output=True, text=True)
+    assert found.returncode == 1
+    assert found.stderr.splitlines() == [
+        f"{tmp_path / 'pkg' / 'longer.py'}: 600 lines, past 450: split it by what it does",
+        f"{tmp_path / 'pkg' / 'long.py'}: 451 lines, past 450: split it by what it does",
+    ]
+    assert subprocess.run([*tool], capture_output=True, text=True).returncode == 0
