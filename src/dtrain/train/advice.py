@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -44,13 +43,6 @@ def out_of_memory_said(say: Callable[[BaseException], DtrainError]) -> Iterator[
         if not is_out_of_memory(exc):
             raise
         raise say(exc) from None
-
-
-def out_of_memory_of(trainer: Any, when: str, exc: BaseException) -> DtrainError:
-    """`out_of_memory` for a Trainer (its config, module, session, accumulation and strategy so far)."""
-    assert trainer.session is not None
-    accum, strategy = trainer.grad_accum_steps, trainer.strategy
-    return out_of_memory(when, exc, trainer.config, trainer.module, trainer.session, accum, strategy)
 
 
 def out_of_memory(
