@@ -162,7 +162,7 @@ def evaluate(run_dir: Path, choice: Choice, overrides: list[str]) -> dict[str, A
             ) from None
         precision = precision_for(config.training.precision, s.device, config.training.tf32)
         loss_of = LossOf(None, None)
-        evaluator = Evaluator.of(eval_data, s, config, collate_fn, loss_of, None, precision, timer)
+        evaluator = Evaluator.of(eval_data, s, dims, config, collate_fn, loss_of, None, precision, timer)
         if evaluator is None:
             return {}
         # As Trainer.evaluate: a pipeline's stages each run every batch, only the last one scoring it.

@@ -27,6 +27,7 @@ from dtrain.data.stream_eval import StreamEvalBatches
 from dtrain.data.streams import is_stream
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.observe.steptime import Progress, StepTimer
+from dtrain.parallel.dims import ParallelDims
 from dtrain.parallel.dtensors import is_dtensor
 from dtrain.train.amp import Precision
 from dtrain.train.loss import LossOf, forward, logits_of
@@ -72,6 +73,7 @@ class Evaluator:
         cls,
         eval_data: Any,
         session: distributed.Session,
+        dims: ParallelDims,
         config: Config,
         collate_fn: Callable[[list[Any]], Any] | None,
         loss_of: LossOf,
@@ -81,8 +83,7 @@ class Evaluator:
     ) -> Evaluator | None:
         """The evaluator of `eval_data`, this rank's share batched as `data` says (None without one); it
         tells `timer`'s progress (the hang watch) that it evaluates. Shared by data-parallel coordinate: a
-        replica's tensor and pipeline peers evaluate the same samples."""
-        dims = parallel.layout(config, session)
+        replica's tensor and pipeline peers evaluate the same samples (`dims`: the run's layout)."""
         rank, world, at = dims.dp_rank(session.rank), dims.dp, dims.coordinate(session.rank)
         counts = at["tp"] == 0 and at["cp"] == 0
         if eval_data is None:

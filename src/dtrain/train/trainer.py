@@ -227,7 +227,7 @@ class Trainer:
         self.total_steps = optim.planned_steps(cfg.training, batches.steps_per_epoch)
         optimizer, scheduler = optim.build(cfg, self.module, self.given_optim, device, self.total_steps)
         evaluator = Evaluator.of(
-            self.eval_data, session, cfg, self.collate_fn, self.loss_of, self.eval_metrics, precision, timer
+            self.eval_data, session, dims, cfg, self.collate_fn, self.loss_of, self.eval_metrics, precision, timer
         )
         return _Built(strategy, precision, batches, timer, metrics, optimizer, scheduler, evaluator)
 
