@@ -116,8 +116,8 @@ BREAKAGES = {
         [
             (
                 "src/dtrain/train/trainer.py",
-                "forward_backward(micro_batches, shares, self.precision)\n",
-                "forward_backward(micro_batches, shares, self.precision).item()\n",
+                "forward_backward(micro_batches, shares, run.precision)\n",
+                "forward_backward(micro_batches, shares, run.precision).item()\n",
             )
         ],
         ["tests/train/test_step_promises.py::test_the_training_step_never_reads_a_value_back_to_the_host"],
