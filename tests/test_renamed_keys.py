@@ -114,7 +114,7 @@ def test_a_run_dir_and_config_written_before_the_parallel_section_resume_with_on
         f"note: 16 keys in {old_job} have moved (strategy, reshard_after_forward, fsdp_cpu_offload, "
         "hsdp_shard_size, tp_size, pp_size, pp_schedule, pp_stages_per_rank, pp_split, cp_size from [distributed] "
         "to [parallel]; bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters, "
-        "shared_memory_allreduce, comm_hook from [distributed] to [ddp]); their values were used: write them "
+        "shared_memory_allreduce, comm_hook from [distributed] to [ddp]): read under their new names; write them "
         "there instead"
     ], result.stderr
     assert f"resumed from {resumed / 'checkpoints' / 'step-2'}" in result.stderr
@@ -133,3 +133,26 @@ def test_a_run_dir_and_config_written_before_the_parallel_section_resume_with_on
 
     result = ok(warm("run", str(old_job), f"run.dir={moved_to_ddp}", "parallel.strategy=ddp", *go_on))
     assert "the config changed since that checkpoint (parallel.strategy fsdp → ddp)" in result.stderr
+
+
+def test_old_names_from_a_file_and_the_command_line_are_one_note_and_errors_name_what_was_typed(cli, tmp_path):
+    """However many old names a job gives, and wherever (a file, the command line, the same key twice), one
+    note says them; a refused value given under an old name says that name too; a misspelt old name is
+    answered with the new one."""
+    job = job_with(tmp_path, '\n[distributed]\nstrategy = "fsdp"\nbucket_cap_mb = 10.0\n')
+    said = cli("config", str(job), "distributed.tp_size=1", "distributed.tp_size=1")
+    assert said.returncode == 0, said.stderr
+    moved = [line for line in said.stderr.splitlines() if "moved" in line]
+    assert moved == [
+        f"note: 3 keys in {job} and on the command line have moved (strategy, tp_size from [distributed] to "
+        "[parallel]; bucket_cap_mb from [distributed] to [ddp]): read under their new names; write them there "
+        "instead"
+    ], said.stderr
+    refused = cli("config", "distributed.tp_size=0")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        "dtrain: error: parallel.tp_size must be >= 1; got 0 (given as distributed.tp_size, its old name)"
+    ]
+    for typed, meant in [("distributed.stratgy", "parallel.strategy"), ("parallel.timeout_s", "distributed.timeout_s")]:
+        answer = cli("config", f"{typed}=1")
+        assert answer.returncode == 2 and f"did you mean '{meant}'?" in answer.stderr, answer.stderr

@@ -55,7 +55,7 @@ def test_eval_of_a_split_run_gives_one_processs_eval_loss(runs, tmp_path, layout
     assert alone == pytest.approx(logged, abs=1e-5)
     key = "tp_size" if layout == "tp2" else "pp_size"
     assert [line for line in said.splitlines() if key in line] == [
-        f"note: evaluating on 1 process: distributed.{key}=1 instead of the run's 2"
+        f"note: evaluating on 1 process: parallel.{key}=1 instead of the run's 2"
     ]
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.parallel.options import StrategyOptions
 from dtrain.rundir import given_in_code
@@ -83,14 +84,14 @@ def choose(run_dir: Path, step: int | None, shown: str) -> Choice:
     raise DtrainError(f"{shown} holds no complete checkpoint and no final weights: nothing to evaluate yet")
 
 
-def unsplit(config: Any, shown: str) -> list[str]:
+def unsplit(config: Config, shown: str) -> list[str]:
     """The overrides that evaluate a run trained split (tensor or pipeline parallel) on one process, each
     said in one note: the checkpoint reads into the whole model (DCP reshards), the loss is the same."""
-    split = [key for key in ("tp_size", "pp_size") if getattr(config.distributed, key) > 1]
+    split = [key for key in ("tp_size", "pp_size") if getattr(config.parallel, key) > 1]
     for key in split:
-        was = getattr(config.distributed, key)
-        print(f"note: evaluating on 1 process: distributed.{key}=1 instead of the run's {was}", file=sys.stderr)
-    return [f"distributed.{key}=1" for key in split]
+        was = getattr(config.parallel, key)
+        print(f"note: evaluating on 1 process: parallel.{key}=1 instead of the run's {was}", file=sys.stderr)
+    return [f"parallel.{key}=1" for key in split]
 
 
 def check_intact(run_dir: Path, choice: Choice) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import difflib
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,9 +79,9 @@ class Config:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> Config:
         """Build and validate a config from nested dicts (as TOML gives them)."""
-        notes: list[str] = []
-        config = _from_dict(raw, source, notes)
-        _warn(notes)
+        moved: dict[str, str] = {}
+        config = _reading(moved, lambda: _from_dict(raw, source, moved))
+        _warn(_moved_notes(moved))
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,9 +95,9 @@ class Config:
 
     def with_overrides(self, overrides: Sequence[str]) -> Config:
         """A copy with `section.key=value` overrides applied (values parse as TOML, else as text)."""
-        notes: list[str] = []
-        config = _with_overrides(self, overrides, notes)
-        _warn(notes)
+        moved: dict[str, str] = {}
+        config = _reading(moved, lambda: _with_overrides(self, overrides, moved))
+        _warn(_moved_notes(moved))
         return config
 
 
@@ -115,11 +115,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
     """`load_config`, with the notes it would warn returned instead: a command says them once per job,
     not once in every process that loads the config."""
-    notes: list[str] = []
-    if path is None:
-        return _with_overrides(Config(), overrides, notes), notes
-    config = _from_dict(_read_toml(Path(path)), str(path), notes)
-    return _with_overrides(config, overrides, notes), notes
+    moved: dict[str, str] = {}  # each old key name met → where it was given
+
+    def read() -> Config:
+        config = Config() if path is None else _from_dict(_read_toml(Path(path)), str(path), moved)
+        return _with_overrides(config, overrides, moved)
+
+    config = _reading(moved, read)
+    return config, _moved_notes(moved)
 
 
 def all_keys() -> list[str]:
@@ -135,7 +138,9 @@ def reference_rows() -> list[tuple[str, str, str]]:
     for s in SECTIONS:
         section = getattr(config, s)
         for f in dataclasses.fields(section):
-            rows.append((f"{s}.{key_name(f.name)}", inline(getattr(section, f.name)), f.metadata["help"]))
+            key, help_ = f"{s}.{key_name(f.name)}", f.metadata["help"]
+            formerly = [old for old, new in RENAMED.items() if new == key]
+            rows.append((key, inline(getattr(section, f.name)), help_ + "".join(f" Formerly {o}." for o in formerly)))
     return rows
 
 
@@ -278,9 +283,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
 
 
-def _from_dict(raw: Mapping[str, Any], source: str, notes: list[str]) -> Config:
+def _from_dict(raw: Mapping[str, Any], source: str, moved: dict[str, str]) -> Config:
     config = Config()
-    for section_name, table in _renamed_in_tables(raw, source, notes).items():
+    for section_name, table in _renamed_in_tables(raw, source, moved).items():
         section = _section(config, section_name, source)
         if not isinstance(table, Mapping):
             raise ConfigError(
@@ -292,16 +297,14 @@ def _from_dict(raw: Mapping[str, Any], source: str, notes: list[str]) -> Config:
     return config
 
 
-def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) -> Config:
-    config = _from_dict(config.to_dict(), "config", notes)
+def _with_overrides(config: Config, overrides: Sequence[str], moved: dict[str, str]) -> Config:
+    config = _from_dict(config.to_dict(), "config", moved)
     given = {item.partition("=")[0].strip() for item in overrides}
-    renamed: list[str] = []
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' is not key=value; e.g. training.epochs=3")
-        key = _renamed_key(key.strip(), given, "on the command line")
-        renamed += [key_given] if (key_given := item.partition("=")[0].strip()) != key else []
+        key = _renamed_key(key.strip(), given, "on the command line", moved)
         section_name, _, name = key.partition(".")
         section = _section(config, section_name, "on the command line", full_key=key)
         if not name:
@@ -309,7 +312,6 @@ def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) 
                 f"override '{item}' names a section, not a key; e.g. {section_name}.{_field_names(section)[0]}=..."
             )
         _assign(section, key, parse_value(key, text), "on the command line", raw_text=text)
-    _note_renamed(renamed, "on the command line", notes)
     validate(config)
     return config
 
@@ -317,52 +319,65 @@ def _with_overrides(config: Config, overrides: Sequence[str], notes: list[str]) 
 # --- renamed keys -------------------------------------------------------------------------------
 
 
-def _renamed_in_tables(raw: Mapping[str, Any], source: str, notes: list[str]) -> Mapping[str, Any]:
-    """`raw` with each old key of RENAMED moved to its new place (one note for them all)."""
-    renamed: list[str] = []
+def _renamed_in_tables(raw: Mapping[str, Any], source: str, moved: dict[str, str]) -> Mapping[str, Any]:
+    """`raw` with each old key of RENAMED moved to its new place (and noted in `moved`)."""
     for old, new in RENAMED.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         table, target = raw.get(old_section), raw.get(new_section, {})
         if not (isinstance(table, Mapping) and old_key in table and isinstance(target, Mapping)):
             continue
         given = {f"{old_section}.{k}" for k in table} | {f"{new_section}.{k}" for k in target}
-        _renamed_key(old, given, source)  # refused beside its new name
-        renamed.append(old)
-        moved = {k: v for k, v in table.items() if k != old_key}
-        raw = {**raw, old_section: moved, new_section: {**raw.get(new_section, {}), new_key: table[old_key]}}
-    _note_renamed(renamed, source, notes)
+        _renamed_key(old, given, source, moved)
+        left = {k: v for k, v in table.items() if k != old_key}
+        raw = {**raw, old_section: left, new_section: {**raw.get(new_section, {}), new_key: table[old_key]}}
     return raw
 
 
-def _renamed_key(key: str, given: set[str], source: str) -> str:
-    """The name `key` now has; an old name given beside its new one is refused."""
+def _renamed_key(key: str, given: set[str], source: str, moved: dict[str, str]) -> str:
+    """The name `key` now has, an old name noted in `moved`; an old name given beside its new one is refused."""
     new = RENAMED.get(key)
-    if new is not None and new in given:
+    if new is None:
+        return key
+    if new in given:
         raise ConfigError(f"{key} and {new} {where(source)} are one setting ({key} is its old name); give only {new}")
-    return new or key
+    moved.setdefault(key, source)
+    return new
 
 
-def _note_renamed(old_keys: list[str], source: str, notes: list[str]) -> None:
-    """One note for the old names `source` gave (a run.dir's config.toml written before [distributed] was
-    split gives sixteen): what each is now, and that its value was used."""
-    if len(old_keys) == 1:
-        key, new = old_keys[0], RENAMED[old_keys[0]]
-        notes.append(f"{key} is now {new}; the value {where(source)} was used as {new}: write {new} instead")
-        return
-    moves: dict[tuple[str, str], list[str]] = {}  # keys that kept their name in another section
+def _reading(moved: dict[str, str], read: Callable[[], Config]) -> Config:
+    """`read()`, whose refusal of a key given under its old name says that name too."""
+    try:
+        return read()
+    except ConfigError as exc:
+        for old in moved:
+            if str(exc).startswith(f"{RENAMED[old]} "):
+                raise ConfigError(f"{exc} (given as {old}, its old name)") from None
+        raise
+
+
+def _moved_notes(moved: dict[str, str]) -> list[str]:
+    """One note for every old key name a config gave (a run.dir's config.toml written before [distributed]
+    was split gives sixteen): what each is now, and that it was read so."""
+    if not moved:
+        return []
+    places = list(dict.fromkeys(moved.values()))
+    said_where = where(places[0]) if len(places) == 1 else f"{where(places[0])} and {where(places[1])}"
+    if len(moved) == 1:
+        key, new = next(iter(moved)), RENAMED[next(iter(moved))]
+        return [f"{key} is now {new}; the value {said_where} was used as {new}: write {new} instead"]
+    sections: dict[tuple[str, str], list[str]] = {}  # keys that kept their name in another section
     said = []
-    for key in old_keys:
+    for key in moved:
         (old_section, name), (new_section, new_name) = key.split("."), RENAMED[key].split(".")
         if name == new_name:
-            moves.setdefault((old_section, new_section), []).append(name)
+            sections.setdefault((old_section, new_section), []).append(name)
         else:
             said.append(f"{key} is now {RENAMED[key]}")
-    said += [f"{', '.join(names)} from [{old}] to [{new}]" for (old, new), names in moves.items()]
-    if said:
-        notes.append(
-            f"{len(old_keys)} keys {where(source)} have moved ({'; '.join(said)}); their values were used: "
-            f"write them there instead"
-        )
+    said += [f"{', '.join(names)} from [{old}] to [{new}]" for (old, new), names in sections.items()]
+    return [
+        f"{len(moved)} keys {said_where} have moved ({'; '.join(said)}): read under their new names; write "
+        f"them there instead"
+    ]
 
 
 def _warn(notes: list[str]) -> None:
@@ -377,12 +392,23 @@ def _section(config: Config, name: str, source: str, full_key: str | None = None
     if name in SECTIONS:
         return getattr(config, name)
     wanted = full_key or name
-    candidates = all_keys() if "." in wanted else SECTIONS
-    close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.6)
+    close = _closest(wanted) if "." in wanted else difflib.get_close_matches(wanted, SECTIONS, n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; sections are {', '.join(SECTIONS)}"
     hint = f"; {foreign}" if (foreign := foreign_hint(wanted, close[0] if close else None)) else hint
     what = "key" if "." in wanted or foreign else "section"  # a bare `learning_rate = 0.1` is meant as a key
     raise ConfigError(f"unknown {what} '{wanted}' {where(source)}{hint}")
+
+
+def _closest(key: str) -> list[str]:
+    """[the key `key` likely meant, by its name now], or []. A key named right in the wrong section is found
+    by its name (`parallel.timeout_s`); old names count too (a typo of `distributed.strategy` means
+    `parallel.strategy`)."""
+    known = [*all_keys(), *RENAMED]
+    name = key.partition(".")[2]
+    close = [k for k in known if k.partition(".")[2] == name][:1] or difflib.get_close_matches(
+        key, known, n=1, cutoff=0.6
+    )
+    return [RENAMED.get(close[0], close[0])] if close else []
 
 
 def _field_names(section: Section) -> list[str]:
@@ -404,7 +430,7 @@ def _assign(section: Section, key: str, value: Any, source: str, raw_text: str |
     name, _, subkey = name.partition(".")
     fields_by_name = {key_name(f.name): f for f in dataclasses.fields(section)}  # type: ignore[arg-type]
     if name not in fields_by_name:
-        close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        close = _closest(key)
         hint = f"; did you mean '{close[0]}'?" if close else f"; [{section_name}] has {', '.join(fields_by_name)}"
         hint = f"; {foreign}" if (foreign := foreign_hint(key, close[0] if close else None)) else hint
         raise ConfigError(f"unknown key '{key}' {where(source)}{hint}")

@@ -77,8 +77,7 @@ class ModelConfig(Section):
         [],
         "Module class names of the model's blocks: FSDP's units, and what "
         "activation checkpointing and compile=blocks work on (default: the model's "
-        "_no_split_modules — its transformer blocks — else its ModuleList entries). "
-        "Formerly distributed.fsdp_units.",
+        "_no_split_modules — its transformer blocks — else its ModuleList entries).",
     )
 
     def check(self) -> None:
