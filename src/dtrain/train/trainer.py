@@ -186,8 +186,9 @@ class Trainer:
         try:
             built = self._build(session)
             checkpointer = self._resume(session, claim, built)
-            cfg, per_epoch, at = self.config, built.batches.steps_per_epoch, (self.step, self.epoch)
-            monitor = self.plan.start_outputs(cfg, session, claim.said(), *at, per_epoch, self.total_steps)
+            followed, per_epoch = self.config, built.batches.steps_per_epoch  # after a regroup: _build's copy
+            at = (self.step, self.epoch)
+            monitor = self.plan.start_outputs(followed, session, claim.said(), *at, per_epoch, self.total_steps)
             checkpointer.report = claim.sending(monitor.log)  # each sealed checkpoint's times (to a store)
         except BaseException as exc:
             claim.forget(self.step, functools.partial(monitor.close, exc) if monitor else None)
