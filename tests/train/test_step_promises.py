@@ -44,10 +44,10 @@ def test_the_training_step_never_reads_a_value_back_to_the_host(tmp_path, monkey
         monkeypatch.setattr(torch.Tensor, name, counted)
     step = trainer._train_step
 
-    def watched(micro_batches):
+    def watched(run, micro_batches):
         inside["step"] = True
         try:
-            step(micro_batches)
+            step(run, micro_batches)
         finally:
             inside["step"] = False
 

@@ -149,6 +149,11 @@ class Trainer:
         return self._run.scheduler if self._run else None
 
     @property
+    def precision(self) -> Precision | None:
+        """Mixed precision as the run computes: its autocast and GradScaler (train/amp.py)."""
+        return self._run.precision if self._run else None
+
+    @property
     def train_batches(self) -> Batches | None:
         """This rank's batches of the training data (its shard, grouped for accumulation)."""
         return self._run.batches if self._run else None
